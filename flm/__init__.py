@@ -1,0 +1,3 @@
+"""flm: flow matching and continuous-time consistency models with a fused JVP attention."""
+
+__version__ = "0.1.0"
