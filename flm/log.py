@@ -1,0 +1,93 @@
+"""Run logging: a progress line on the console, metrics.jsonl always, wandb when asked.
+
+Only rank 0 writes; other ranks get a logger whose methods do nothing.
+"""
+
+import json
+import math
+import os
+import time
+from dataclasses import dataclass
+
+from flm import dist
+
+
+@dataclass
+class LoggerConfig:
+    """wandb: also log to Weights & Biases (`pip install wandb`); mode "offline" needs no account."""
+
+    wandb: bool = False
+    project: str = "flm"
+    name: str | None = None
+    mode: str = "offline"  # online | offline | disabled
+
+    def __post_init__(self):
+        if self.mode not in ("online", "offline", "disabled"):
+            raise ValueError(f"logger.mode must be online, offline or disabled, got {self.mode!r}")
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(max(seconds, 0))
+    h, m, s = seconds // 3600, seconds // 60 % 60, seconds % 60
+    return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s"
+
+
+def progress_line(step: int, max_steps: int, metrics: dict, elapsed: float, eta: float) -> str:
+    """`step 120/1500 [##........] 8% | loss 0.1234 | 512 img/s | 45.1 ms/step | 1.20 GiB | 0m05s<3m12s`."""
+    width = 20
+    filled = int(width * step / max(max_steps, 1))
+    parts = [f"step {step}/{max_steps} [{'#' * filled}{'.' * (width - filled)}] {100 * step / max(max_steps, 1):3.0f}%"]
+    if "loss" in metrics:
+        parts.append(f"loss {metrics['loss']:.4f}")
+    if "images_per_s" in metrics:
+        parts.append(f"{metrics['images_per_s']:.0f} img/s")
+    if "step_ms" in metrics:
+        parts.append(f"{metrics['step_ms']:.1f} ms/step")
+    if "gpu_mem_gib" in metrics:
+        parts.append(f"{metrics['gpu_mem_gib']:.2f} GiB")
+    parts.append(f"{_duration(elapsed)}<{_duration(eta)}")
+    return " | ".join(parts)
+
+
+class RunLogger:
+    """Console progress, run_dir/metrics.jsonl (one JSON object per logged step) and optional wandb."""
+
+    def __init__(self, run_dir: str, config: LoggerConfig, *, run_config: dict | None = None):
+        self.active = dist.is_main()
+        self.wandb = None
+        if not self.active:
+            return
+        os.makedirs(run_dir, exist_ok=True)
+        self.file = open(os.path.join(run_dir, "metrics.jsonl"), "a")
+        if config.wandb:
+            try:
+                import wandb
+            except ImportError:
+                raise ImportError("logger=wandb needs the wandb package: pip install wandb (or use logger=none)") from None
+            self.wandb = wandb.init(project=config.project, name=config.name, mode=config.mode,
+                                    dir=run_dir, config=run_config, resume="allow")
+
+    def log(self, step: int, metrics: dict) -> None:
+        if not self.active:
+            return
+        clean = {k: (float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v)
+                 for k, v in metrics.items()}
+        # json has no NaN/inf; write them as strings so the file stays valid JSON
+        clean = {k: (str(v) if isinstance(v, float) and not math.isfinite(v) else v) for k, v in clean.items()}
+        self.file.write(json.dumps({"step": step, "time": time.time(), **clean}) + "\n")
+        self.file.flush()
+        if self.wandb is not None:
+            self.wandb.log(metrics, step=step)
+
+    def log_image(self, step: int, key: str, path: str) -> None:
+        if self.wandb is not None:
+            import wandb
+
+            self.wandb.log({key: wandb.Image(path)}, step=step)
+
+    def close(self) -> None:
+        if not self.active:
+            return
+        self.file.close()
+        if self.wandb is not None:
+            self.wandb.finish()
