@@ -1,0 +1,268 @@
+"""The few layers the DiT is built from, with tangents that build no reverse-mode graph.
+
+A consistency step takes a forward-mode JVP through the network (dual tensors or torch.func.jvp)
+and never differentiates through the tangent. With plain PyTorch ops that costs ~2.7x the memory
+of a flow-matching step (DESIGN.md): every activation autograd saves keeps its tangent alive, and
+tangent ops that touch weights requiring grad record a graph. Each layer here is an
+autograd.Function (setup_context style, so forward-AD duals and torch.func.jvp both work) that
+
+- saves *detached* tensors, so a saved activation does not keep its tangent alive;
+- computes its tangent in `jvp` under `no_grad`, so the tangent has no grad_fn;
+- has an exact `backward` (tests: gradcheck in float64, against autograd of the plain ops).
+
+Layers: `linear`, `layer_norm` (optional affine, per-channel or per-sample: the adaLN modulation
+`x_hat * (1 + scale) + shift` is `layer_norm(x, 1 + scale, shift)`), `gelu_tanh`, `silu` and the
+gated residual `x + gate * h`. Everything else in the DiT is linear in its inputs (reshape, add,
+chunk), saves nothing, and needs no special care. Under autocast the wrappers cast matmul inputs
+to the autocast dtype before the Function, as autocast would.
+
+    from flm import nn as fnn
+    y = fnn.linear(x, w, b)
+    lin = fnn.Linear(64, 128)   # drop-in for torch.nn.Linear
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def _save(ctx, *tensors) -> None:
+    """Save detached tensors for both backward and jvp (the same storage: no extra memory)."""
+    tensors = tuple(None if t is None else t.detach() for t in tensors)
+    ctx.save_for_backward(*tensors)
+    ctx.save_for_forward(*tensors)
+
+
+def _sum_to(g: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Reduce a broadcast gradient back to the shape and dtype of `like`."""
+    return g.sum_to_size(like.shape).to(like.dtype)
+
+
+def _autocast(*tensors):
+    """Cast floating tensors to the autocast dtype when autocast is on (what F.linear would do)."""
+    device = tensors[0].device.type
+    if not torch.is_autocast_enabled(device):
+        return tensors
+    dtype = torch.get_autocast_dtype(device)
+    return tuple(None if t is None else t.to(dtype) for t in tensors)
+
+
+# --------------------------------------------------------------------------------------------
+# Linear: y = x W^T + b
+# --------------------------------------------------------------------------------------------
+
+
+class _Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(x, weight, bias):
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, weight, bias = inputs
+        ctx.set_materialize_grads(False)
+        ctx.has_bias = bias is not None
+        _save(ctx, x, weight)
+
+    @staticmethod
+    def jvp(ctx, tx, tweight, tbias):
+        x, weight = ctx.saved_tensors
+        with torch.no_grad():
+            out = None if tx is None else F.linear(tx, weight)
+            if tweight is not None:
+                out = F.linear(x, tweight) if out is None else out + F.linear(x, tweight)
+            if tbias is not None:
+                out = tbias.expand(*x.shape[:-1], -1).clone() if out is None else out + tbias
+            return out
+
+    @staticmethod
+    def backward(ctx, gy):
+        x, weight = ctx.saved_tensors
+        if gy is None:
+            return None, None, None
+        gx = gy @ weight if ctx.needs_input_grad[0] else None
+        gw = gb = None
+        if ctx.needs_input_grad[1]:
+            gw = gy.reshape(-1, gy.shape[-1]).T @ x.reshape(-1, x.shape[-1])
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            gb = gy.reshape(-1, gy.shape[-1]).sum(0)
+        return gx, gw, gb
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear with a graph-free tangent; x (..., in), weight (out, in), bias (out,)."""
+    return _Linear.apply(*_autocast(x, weight, bias))
+
+
+class Linear(nn.Linear):
+    """torch.nn.Linear (same parameters and init) through `linear`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+# --------------------------------------------------------------------------------------------
+# Layer norm over the last dim, optional affine y = x_hat * weight + bias; weight and bias
+# broadcast against x: (D,) parameters, or (B, 1, D) per-sample for adaLN. The Jacobian of
+# x -> x_hat is symmetric, so PyTorch's fused layer-norm backward also gives its JVP.
+# --------------------------------------------------------------------------------------------
+
+
+def _ln_vjp(g, x, mean, rstd):
+    """(dx_hat/dx)^T g = (dx_hat/dx) g, in one fused kernel."""
+    return torch.ops.aten.native_layer_norm_backward(
+        g, x, (x.shape[-1],), mean, rstd, None, None, (True, False, False)
+    )[0]
+
+
+class _LayerNorm(torch.autograd.Function):
+    # forward also returns mean and rstd (non-differentiable) so that backward and jvp reuse them
+    @staticmethod
+    def forward(x, weight, bias, eps):
+        x_hat, mean, rstd = torch.native_layer_norm(x, (x.shape[-1],), None, None, eps)
+        if weight is not None:
+            y = torch.addcmul(bias, x_hat, weight) if bias is not None else x_hat * weight
+        else:
+            y = x_hat if bias is None else x_hat + bias
+        return y, mean, rstd
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, weight, bias, eps = inputs
+        _, mean, rstd = output
+        ctx.set_materialize_grads(False)
+        ctx.mark_non_differentiable(mean, rstd)
+        ctx.bias_meta = None if bias is None else (bias.shape, bias.dtype)
+        ctx.out_dtype = output[0].dtype
+        _save(ctx, x, mean, rstd, weight)
+
+    @staticmethod
+    def jvp(ctx, tx, tweight, tbias, _):
+        x, mean, rstd, weight = ctx.saved_tensors
+        with torch.no_grad():
+            out = None
+            if tx is not None:
+                out = _ln_vjp(tx, x, mean, rstd)
+                if weight is not None:
+                    out = out * weight
+            if tweight is not None:
+                term = (x - mean) * rstd * tweight
+                out = term if out is None else out + term
+            if tbias is not None:
+                out = tbias.expand_as(x) if out is None else out + tbias
+            return out.to(ctx.out_dtype).contiguous(), None, None
+
+    @staticmethod
+    def backward(ctx, gy, _gmean, _grstd):
+        x, mean, rstd, weight = ctx.saved_tensors
+        if gy is None:
+            return None, None, None, None
+        gx = gw = gb = None
+        if ctx.needs_input_grad[0]:
+            gx = _ln_vjp(gy if weight is None else (gy * weight).to(x.dtype), x, mean, rstd)
+        if weight is not None and ctx.needs_input_grad[1]:
+            gw = _sum_to(gy * ((x - mean) * rstd), weight)
+        if ctx.bias_meta is not None and ctx.needs_input_grad[2]:
+            shape, dtype = ctx.bias_meta
+            gb = gy.sum_to_size(shape).to(dtype)
+        return gx, gw, gb, None
+
+
+def layer_norm(x, weight=None, bias=None, eps: float = 1e-6) -> torch.Tensor:
+    """Layer norm over the last dim, then `x_hat * weight + bias` when given (broadcast against x).
+
+    Computed in x's dtype (keep the residual stream in float32 under autocast, as DiT does).
+    """
+    return _LayerNorm.apply(x, weight, bias, eps)[0]
+
+
+# --------------------------------------------------------------------------------------------
+# Pointwise activations; the Jacobian is diagonal, so PyTorch's fused backward kernel gives
+# both the gradient and the tangent in one kernel.
+# --------------------------------------------------------------------------------------------
+
+_ACTIVATIONS = {
+    "gelu_tanh": (
+        lambda x: F.gelu(x, approximate="tanh"),
+        lambda g, x: torch.ops.aten.gelu_backward(g, x, approximate="tanh"),
+    ),
+    "silu": (F.silu, torch.ops.aten.silu_backward),
+}
+
+
+class _Activation(torch.autograd.Function):
+    @staticmethod
+    def forward(x, name):
+        return _ACTIVATIONS[name][0](x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, name = inputs
+        ctx.set_materialize_grads(False)
+        ctx.name = name
+        _save(ctx, x)
+
+    @staticmethod
+    def jvp(ctx, tx, _):
+        (x,) = ctx.saved_tensors
+        with torch.no_grad():
+            return _ACTIVATIONS[ctx.name][1](tx.to(x.dtype), x)
+
+    @staticmethod
+    def backward(ctx, gy):
+        (x,) = ctx.saved_tensors
+        return (None if gy is None else _ACTIVATIONS[ctx.name][1](gy.to(x.dtype), x)), None
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GELU with the tanh approximation (DiT's MLP activation)."""
+    return _Activation.apply(x, "gelu_tanh")
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    """SiLU / swish, x * sigmoid(x)."""
+    return _Activation.apply(x, "silu")
+
+
+# --------------------------------------------------------------------------------------------
+# Gated residual y = x + gate * h (adaLN-Zero); gate broadcasts against h, e.g. (B, 1, D).
+# --------------------------------------------------------------------------------------------
+
+
+class _GatedResidual(torch.autograd.Function):
+    @staticmethod
+    def forward(x, gate, h):
+        return torch.addcmul(x, gate, h)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, gate, h = inputs
+        ctx.set_materialize_grads(False)
+        ctx.x_dtype, ctx.out_dtype = x.dtype, output.dtype
+        _save(ctx, gate, h)
+
+    @staticmethod
+    def jvp(ctx, tx, tgate, th):
+        gate, h = ctx.saved_tensors
+        with torch.no_grad():
+            out = torch.zeros((), dtype=ctx.out_dtype, device=h.device) if tx is None else tx
+            if tgate is not None:
+                out = torch.addcmul(out, tgate, h)
+            if th is not None:
+                out = torch.addcmul(out, gate, th)
+            return out.to(ctx.out_dtype).expand(torch.broadcast_shapes(out.shape, h.shape)).contiguous()
+
+    @staticmethod
+    def backward(ctx, gy):
+        gate, h = ctx.saved_tensors
+        if gy is None:
+            return None, None, None
+        gx = gy.to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
+        ggate = _sum_to(gy * h, gate) if ctx.needs_input_grad[1] else None
+        gh = _sum_to(gy * gate, h) if ctx.needs_input_grad[2] else None
+        return gx, ggate, gh
+
+
+def gated_residual(x: torch.Tensor, gate: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """x + gate * h with a graph-free tangent."""
+    return _GatedResidual.apply(x, gate, h)

@@ -1,0 +1,125 @@
+"""flm.nn layers: exact backward and jvp against the plain ops, tangents without a graph.
+
+    python -m pytest tests/test_nn.py -q
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.autograd import forward_ad
+
+from flm import nn as fnn
+
+B, N, D, O = 2, 5, 8, 6
+
+
+def _inputs(dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g, dtype=dtype).requires_grad_()
+
+    return r
+
+
+# (flm.nn layer, the same computation in plain PyTorch, input shapes)
+CASES = {
+    "linear": (fnn.linear, F.linear, [(B, N, D), (O, D), (O,)]),
+    "linear_nobias": (fnn.linear, F.linear, [(B, N, D), (O, D)]),
+    "layer_norm": (
+        lambda x: fnn.layer_norm(x),
+        lambda x: F.layer_norm(x, (D,), eps=1e-6),
+        [(B, N, D)],
+    ),
+    "layer_norm_affine": (
+        lambda x, w, b: fnn.layer_norm(x, w, b),
+        lambda x, w, b: F.layer_norm(x, (D,), w, b, eps=1e-6),
+        [(B, N, D), (D,), (D,)],
+    ),
+    "adaln_modulate": (  # per-sample affine: x_hat * (1 + scale) + shift
+        lambda x, shift, scale: fnn.layer_norm(x, 1 + scale, shift),
+        lambda x, shift, scale: F.layer_norm(x, (D,), eps=1e-6) * (1 + scale) + shift,
+        [(B, N, D), (B, 1, D), (B, 1, D)],
+    ),
+    "gelu_tanh": (fnn.gelu_tanh, lambda x: F.gelu(x, approximate="tanh"), [(B, N, D)]),
+    "silu": (fnn.silu, F.silu, [(B, N, D)]),
+    "gated_residual": (fnn.gated_residual, lambda x, g, h: x + g * h, [(B, N, D), (B, 1, D), (B, N, D)]),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_gradcheck_both_modes(case):
+    layer, _, shapes = CASES[case]
+    r = _inputs()
+    args = [r(*s) for s in shapes]
+    assert torch.autograd.gradcheck(layer, args, check_forward_ad=True, check_backward_ad=True)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_matches_plain_ops(case):
+    """Primal, gradient (autograd) and tangent (torch.func.jvp) equal those of the plain ops."""
+    layer, plain, shapes = CASES[case]
+    r = _inputs(torch.float32, seed=1)
+    args = [r(*s) for s in shapes]
+    tangents = [torch.randn_like(a) for a in args]
+    y, y_ref = layer(*args), plain(*args)
+    torch.testing.assert_close(y, y_ref)
+    gy = torch.randn_like(y)
+    grads = torch.autograd.grad(y, args, gy)
+    grads_ref = torch.autograd.grad(y_ref, args, gy)
+    for g, g_ref in zip(grads, grads_ref):
+        torch.testing.assert_close(g, g_ref, rtol=1e-4, atol=1e-5)
+    detached = [a.detach() for a in args]
+    _, ty = torch.func.jvp(layer, tuple(detached), tuple(tangents))
+    _, ty_ref = torch.func.jvp(plain, tuple(detached), tuple(tangents))
+    torch.testing.assert_close(ty, ty_ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_dual_tangent_has_no_graph(case):
+    """Primal keeps its gradient; the tangent has no grad_fn although inputs require grad."""
+    layer, plain, shapes = CASES[case]
+    r = _inputs(torch.float32, seed=2)
+    args = [r(*s) for s in shapes]
+    tangents = [torch.randn_like(a) for a in args]
+    with forward_ad.dual_level():
+        y = layer(*[forward_ad.make_dual(a, t) for a, t in zip(args, tangents)])
+        y_p, y_t = forward_ad.unpack_dual(y)
+        y_ref_t = forward_ad.unpack_dual(plain(*[forward_ad.make_dual(a, t) for a, t in zip(args, tangents)])).tangent
+    assert y_t.grad_fn is None and not y_t.requires_grad
+    assert y_ref_t.requires_grad  # the plain ops do build a graph: the test can tell them apart
+    assert y_p.grad_fn is not None
+    torch.testing.assert_close(y_t, y_ref_t.detach(), rtol=1e-4, atol=1e-5)
+
+
+def test_tangent_of_weightless_input_only():
+    """Only x carries a tangent (the usual case: weights have none); the weights' tangent is zero."""
+    r = _inputs(torch.float32)
+    x, w, b = r(B, N, D), r(O, D), r(O)
+    tx = torch.randn_like(x)
+    with forward_ad.dual_level():
+        y = fnn.linear(forward_ad.make_dual(x, tx), w, b)
+        ty = forward_ad.unpack_dual(y).tangent
+    torch.testing.assert_close(ty, F.linear(tx, w).detach())
+
+
+def test_linear_module_is_drop_in():
+    torch.manual_seed(0)
+    lin = fnn.Linear(D, O)
+    ref = torch.nn.Linear(D, O)
+    ref.load_state_dict(lin.state_dict())
+    x = torch.randn(B, D)
+    torch.testing.assert_close(lin(x), ref(x))
+
+
+@pytest.mark.skipif(not hasattr(torch, "get_autocast_dtype"), reason="old torch")
+def test_linear_under_autocast_matches_f_linear():
+    r = _inputs(torch.float32)
+    x, w, b = r(B, N, D), r(O, D), r(O)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, y_ref = fnn.linear(x, w, b), F.linear(x, w, b)
+    assert y.dtype == y_ref.dtype == torch.bfloat16
+    torch.testing.assert_close(y, y_ref)
+    gw, gw_ref = (torch.autograd.grad(v.float().sum(), w)[0] for v in (y, y_ref))
+    assert gw.dtype == torch.float32
+    torch.testing.assert_close(gw, gw_ref)
