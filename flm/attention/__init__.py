@@ -8,7 +8,6 @@ triton_jvp (fused Triton JVP forward + FlashAttention backward). Dual tensors ar
 triton_jvp computes (o, to) in one fused pass; math and sdpa let PyTorch's forward AD run eagerly.
 """
 
-import importlib
 import math as _math
 
 import torch
@@ -16,14 +15,17 @@ from torch.autograd import forward_ad
 
 from flm.attention.inputs import check_qkv, check_tangents, under_functorch, unpack_duals
 
-BACKENDS = ("math", "sdpa", "flash", "triton_jvp")
+from flm.attention import flash, math, sdpa, triton_jvp
+
+_MODULES = {"math": math, "sdpa": sdpa, "flash": flash, "triton_jvp": triton_jvp}
+BACKENDS = tuple(_MODULES)
 
 
 def get_attention(name: str):
     """The backend module `name`; it exposes attention(q, k, v, *, causal, scale) and check_available(q)."""
-    if name not in BACKENDS:
+    if name not in _MODULES:
         raise ValueError(f"unknown attention backend {name!r}; valid names: {', '.join(('auto',) + BACKENDS)}")
-    return importlib.import_module(f"flm.attention.{name}")
+    return _MODULES[name]
 
 
 def resolve_backend(name: str, q: torch.Tensor, *, needs_jvp: bool) -> str:

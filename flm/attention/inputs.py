@@ -62,5 +62,10 @@ def unpack_duals(q, k, v):
 
 
 def under_functorch(x: torch.Tensor) -> bool:
-    """True inside a torch.func transform (jvp, grad, vmap), where tangents are invisible to us."""
+    """True inside a torch.func transform (jvp, grad, vmap), where tangents are invisible to us.
+
+    Dynamo cannot trace the probe, so compiled code reports False (it traces transforms itself).
+    """
+    if torch.compiler.is_compiling():
+        return False
     return torch._C._functorch.is_functorch_wrapped_tensor(x)

@@ -1,0 +1,234 @@
+"""Fused JVP attention: Triton forward (O, tO, lse in one pass) + FlashAttention's backward.
+
+Three ways in, one set of kernels:
+- dual tensors (forward AD): flm.attention unpacks the tangents and calls `jvp_attention`, whose
+  autograd.Function returns o (differentiable) and to (no graph) from one fused launch;
+- torch.func.jvp: `attention` runs the plain forward, and the Function's `jvp` rule runs the fused
+  kernel for the tangent;
+- plain tensors: `attention` is a FlashAttention-2 forward (the same kernel without tangents).
+
+The kernels are torch.library custom ops (flm::attention_fwd, flm::attention_jvp_fwd,
+flm::attention_bwd), so torch.compile traces models that call them without graph breaks.
+The gradient of o comes from, in order of preference: the flash_attn package, PyTorch's built-in
+FlashAttention-2 backward (CUDA, fp16/bf16), flm's own Triton backward (fp32, CPU interpreter).
+"""
+
+import functools
+import warnings
+
+import torch
+from torch import Tensor
+
+from flm.kernels.attention_bwd import attention_bwd as triton_bwd
+from flm.kernels.attention_fwd import attention_fwd, check_head_dim, interpreted
+
+# ---------------------------------------------------------------------------------------------
+# Backward implementations: (do, q, k, v, o, lse, causal, scale) -> (dq, dk, dv)
+# ---------------------------------------------------------------------------------------------
+
+
+def _fa2_shapes_ok(q: Tensor) -> bool:
+    return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256
+
+
+@functools.cache
+def _flash_attn_backward():
+    try:
+        from flash_attn.flash_attn_interface import _flash_attn_backward as fn
+    except ImportError:
+        return None
+    return fn
+
+
+def flash_attn_bwd(do, q, k, v, o, lse, causal, scale):
+    """flash_attn's backward (layout (B, N, H, D)); flash_attn >= 2.7 signature."""
+    t = lambda x: x.transpose(1, 2).contiguous()  # noqa: E731
+    dq, dk, dv = (torch.empty_like(t(x)) for x in (q, k, v))
+    _flash_attn_backward()(
+        t(do), t(q), t(k), t(v), t(o), lse.contiguous(), dq, dk, dv,
+        dropout_p=0.0, softmax_scale=scale, causal=causal, window_size_left=-1, window_size_right=-1,
+        softcap=0.0, alibi_slopes=None, deterministic=False,
+    )
+    return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+
+
+def torch_fa2_bwd(do, q, k, v, o, lse, causal, scale):
+    """PyTorch's built-in FlashAttention-2 backward, fed with our O and natural-log lse."""
+    seed = torch.empty(2, dtype=torch.uint64, device=q.device)  # unused without dropout
+    offset = torch.empty((), dtype=torch.uint64, device=q.device)
+    return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        do, q, k, v, o, lse.contiguous(), None, None, q.shape[2], k.shape[2], 0.0, causal, seed, offset,
+        scale=scale,
+    )
+
+
+def _triton_bwd(do, q, k, v, o, lse, causal, scale):
+    return triton_bwd(do, q, k, v, o, lse, causal=causal, scale=scale)
+
+
+BACKWARDS = {"flash_attn": flash_attn_bwd, "torch_fa2": torch_fa2_bwd, "triton": _triton_bwd}
+
+
+def backward_impl(q: Tensor) -> str:
+    """Which backward runs for inputs like q: 'flash_attn', 'torch_fa2' or 'triton'."""
+    if _fa2_shapes_ok(q):
+        return "flash_attn" if _flash_attn_backward() is not None else "torch_fa2"
+    return "triton"
+
+
+# ---------------------------------------------------------------------------------------------
+# Custom ops (opaque to torch.compile; fake implementations give it shapes)
+# ---------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("flm::attention_fwd", mutates_args=())
+def _fwd_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+    o, _, lse = attention_fwd(q, k, v, causal=causal, scale=scale)
+    return o, lse
+
+
+@_fwd_op.register_fake
+def _(q, k, v, causal, scale):
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+@torch.library.custom_op("flm::attention_jvp_fwd", mutates_args=())
+def _jvp_fwd_op(
+    q: Tensor, k: Tensor, v: Tensor, tq: Tensor, tk: Tensor, tv: Tensor, causal: bool, scale: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    return attention_fwd(q, k, v, tq, tk, tv, causal=causal, scale=scale)
+
+
+@_jvp_fwd_op.register_fake
+def _(q, k, v, tq, tk, tv, causal, scale):
+    return q.new_empty(q.shape), q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+@torch.library.custom_op("flm::attention_bwd", mutates_args=())
+def _bwd_op(
+    do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, causal: bool, scale: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    impl = backward_impl(q)
+    if impl == "flash_attn":
+        try:
+            return flash_attn_bwd(do, q, k, v, o, lse, causal, scale)
+        except TypeError as e:  # another flash_attn release with another private signature
+            _warn_flash_attn_signature(e)
+            impl = "torch_fa2"
+    dq, dk, dv = BACKWARDS[impl](do, q, k, v, o, lse, causal, scale)
+    # custom ops must not return views of their inputs
+    return dq.contiguous(), dk.contiguous(), dv.contiguous()
+
+
+@_bwd_op.register_fake
+def _(do, q, k, v, o, lse, causal, scale):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+@functools.cache
+def _warn_flash_attn_signature(err: Exception) -> None:
+    warnings.warn(f"flash_attn's backward did not accept flm's call ({err}); using PyTorch's FlashAttention-2 backward")
+
+
+# ---------------------------------------------------------------------------------------------
+# Autograd
+# ---------------------------------------------------------------------------------------------
+
+
+def _zeros_if_none(tangent, like):
+    return torch.zeros_like(like) if tangent is None else tangent
+
+
+class _Attention(torch.autograd.Function):
+    """o = attention(q, k, v); backward by FlashAttention."""
+
+    @staticmethod
+    def forward(q, k, v, causal, scale):
+        return _fwd_op(q, k, v, causal, scale)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        q, k, v, causal, scale = inputs
+        o, lse = output
+        ctx.causal, ctx.scale = causal, scale
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.mark_non_differentiable(lse)
+
+    @staticmethod
+    def backward(ctx, do, _dlse):
+        q, k, v, o, lse = ctx.saved_tensors
+        dq, dk, dv = _bwd_op(do.contiguous(), q, k, v, o, lse, ctx.causal, ctx.scale)
+        return dq, dk, dv, None, None
+
+
+class _AttentionWithJVP(_Attention):
+    """_Attention plus a forward-mode rule (the fused kernel) for torch.func.jvp and dual tensors.
+
+    Dynamo cannot trace Functions that define `jvp`, so compiled code uses _Attention.
+    """
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _Attention.setup_context(ctx, inputs, output)
+        ctx.save_for_forward(*inputs[:3])
+
+    @staticmethod
+    def jvp(ctx, tq, tk, tv, _tcausal, _tscale):
+        q, k, v = ctx.saved_tensors
+        tq, tk, tv = (_zeros_if_none(t, x) for t, x in zip((tq, tk, tv), (q, k, v)))
+        with torch.no_grad():
+            _, to, _ = _jvp_fwd_op(q, k, v, tq, tk, tv, ctx.causal, ctx.scale)
+        return to, None
+
+
+class _JVPAttention(torch.autograd.Function):
+    """(o, to) from one fused launch; o differentiable (FlashAttention backward), to not."""
+
+    @staticmethod
+    def forward(q, k, v, tq, tk, tv, causal, scale):
+        return _jvp_fwd_op(q, k, v, tq, tk, tv, causal, scale)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        q, k, v, *_, causal, scale = inputs
+        o, to, lse = output
+        ctx.causal, ctx.scale = causal, scale
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.mark_non_differentiable(to, lse)
+
+    @staticmethod
+    def backward(ctx, do, _dto, _dlse):
+        q, k, v, o, lse = ctx.saved_tensors
+        dq, dk, dv = _bwd_op(do.contiguous(), q, k, v, o, lse, ctx.causal, ctx.scale)
+        return dq, dk, dv, None, None, None, None, None
+
+
+# ---------------------------------------------------------------------------------------------
+# Backend interface (inputs already checked by flm.attention)
+# ---------------------------------------------------------------------------------------------
+
+
+def attention(q, k, v, *, causal: bool, scale: float) -> Tensor:
+    fn = _Attention if torch.compiler.is_compiling() else _AttentionWithJVP
+    return fn.apply(q, k, v, causal, scale)[0]
+
+
+def jvp_attention(q, k, v, tq, tk, tv, *, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+    # tangents never need a gradient: detaching keeps any graph they carry out of this op
+    o, to, _ = _JVPAttention.apply(q, k, v, tq.detach(), tk.detach(), tv.detach(), causal, scale)
+    return o, to
+
+
+def check_available(q: Tensor) -> None:
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(
+            f"attention backend 'triton_jvp' takes fp16, bf16 or fp32 inputs, got {q.dtype}; "
+            "cast the inputs or use backend='math'"
+        )
+    if not q.is_cuda and not interpreted():
+        raise ValueError(
+            f"attention backend 'triton_jvp' needs a CUDA GPU, but the inputs are on {q.device}; "
+            "use backend='math' here (or set TRITON_INTERPRET=1 to run the kernels in Triton's "
+            "CPU interpreter, slowly, for tests)"
+        )
+    check_head_dim(q.shape[-1])

@@ -1,0 +1,270 @@
+"""Fused attention forward with its JVP: O, tO and the log-sum-exp in one FlashAttention-2 pass.
+
+For one query row, with s_j = scale * q.k_j, p_j = exp(s_j - m), l = sum_j p_j and O = sum_j p_j v_j / l,
+the tangent along (tq, tk, tv) is
+
+    ts_j = scale * (tq.k_j + q.tk_j)
+    tO   = (sum_j p_j tv_j + sum_j p_j ts_j v_j - r O) / l,      r = sum_j p_j ts_j
+
+so besides FlashAttention's accumulator (P V) the kernel keeps A = P tV, B = (P * tS) V and r, all
+rescaled by the running max like P V: six matmuls per key block instead of two. With HAS_TANGENT
+off the same kernel is a plain FlashAttention-2 forward (O and the log-sum-exp).
+
+Layouts are (batch, heads, tokens, head_dim) with arbitrary strides for every input; head dims
+that are not a power of two are padded to one inside the kernel (masked loads).
+"""
+
+import functools
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _fwd_inner(
+    acc, acc_a, acc_b, l_i, m_i, r_i,
+    q, tq, k_ptrs, v_ptrs, tk_ptrs, tv_ptrs,
+    stride_kn, stride_vn, stride_tkn, stride_tvn,
+    offs_m, offs_n, offs_d, lo, hi, LKV, scale, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_TANGENT: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Accumulate key blocks [lo, hi). MASK: the range holds the ragged end or the causal diagonal."""
+    k_ptrs += lo * stride_kn
+    v_ptrs += lo * stride_vn
+    if HAS_TANGENT:
+        tk_ptrs += lo * stride_tkn
+        tv_ptrs += lo * stride_tvn
+    d_ok = offs_d < HEAD_DIM
+    for start_n in range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        cols = start_n + offs_n
+        # K^T block (BLOCK_D, BLOCK_N) and V block (BLOCK_N, BLOCK_D); padding rows/cols load as 0
+        if MASK:
+            kt_mask = d_ok[:, None] & (cols[None, :] < LKV)
+            v_mask = (cols[:, None] < LKV) & d_ok[None, :]
+            pad = 0.0
+        elif BLOCK_D != HEAD_DIM:
+            kt_mask = d_ok[:, None]
+            v_mask = d_ok[None, :]
+            pad = 0.0
+        else:
+            kt_mask = None
+            v_mask = None
+            pad = None
+        kt = tl.load(k_ptrs, mask=kt_mask, other=pad)
+        s = tl.dot(q, kt, input_precision=PRECISION) * qk_scale  # log2 units
+        if MASK:
+            keep = cols[None, :] < LKV
+            if CAUSAL:
+                keep = keep & (offs_m[:, None] >= cols[None, :])
+            s = tl.where(keep, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        if MASK:  # a row with no key yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN
+            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        v = tl.load(v_ptrs, mask=v_mask, other=pad)
+        if HAS_TANGENT:
+            tkt = tl.load(tk_ptrs, mask=kt_mask, other=pad)
+            ts = tl.dot(tq, kt, input_precision=PRECISION)
+            ts = tl.dot(q, tkt, ts, input_precision=PRECISION) * scale
+            h = p * ts
+            r_i = r_i * alpha + tl.sum(h, 1)
+            acc_a = acc_a * alpha[:, None]
+            acc_b = acc_b * alpha[:, None]
+            tv = tl.load(tv_ptrs, mask=v_mask, other=pad)
+            acc_a = tl.dot(p.to(tv.dtype), tv, acc_a, input_precision=PRECISION)
+            acc_b = tl.dot(h.to(v.dtype), v, acc_b, input_precision=PRECISION)
+            tk_ptrs += BLOCK_N * stride_tkn
+            tv_ptrs += BLOCK_N * stride_tvn
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
+        m_i = m_new
+        k_ptrs += BLOCK_N * stride_kn
+        v_ptrs += BLOCK_N * stride_vn
+    return acc, acc_a, acc_b, l_i, m_i, r_i
+
+
+@triton.jit
+def _fwd_kernel(
+    Q, K, V, TQ, TK, TV, O, TO, LSE,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_tqb, stride_tqh, stride_tqm, stride_tqd,
+    stride_tkb, stride_tkh, stride_tkn, stride_tkd,
+    stride_tvb, stride_tvh, stride_tvn, stride_tvd,
+    stride_ob, stride_oh, stride_om, stride_od,
+    H, LQ, LKV, scale,
+    LQ_BUCKET, LKV_BUCKET,  # autotune key only: tuned configs are shared by lengths in one bucket
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_TANGENT: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
+):
+    start_m = tl.program_id(0)
+    off_bh = tl.program_id(1)
+    off_b = (off_bh // H).to(tl.int64)
+    off_h = (off_bh % H).to(tl.int64)
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    q_mask = (offs_m[:, None] < LQ) & (offs_d[None, :] < HEAD_DIM)
+
+    q_ptrs = Q + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd
+    k_ptrs = K + off_b * stride_kb + off_h * stride_kh + offs_d[:, None] * stride_kd + offs_n[None, :] * stride_kn
+    v_ptrs = V + off_b * stride_vb + off_h * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
+    q = tl.load(q_ptrs, mask=q_mask, other=0.0)
+    if HAS_TANGENT:
+        tq_ptrs = TQ + off_b * stride_tqb + off_h * stride_tqh + offs_m[:, None] * stride_tqm + offs_d[None, :] * stride_tqd
+        tk_ptrs = TK + off_b * stride_tkb + off_h * stride_tkh + offs_d[:, None] * stride_tkd + offs_n[None, :] * stride_tkn
+        tv_ptrs = TV + off_b * stride_tvb + off_h * stride_tvh + offs_n[:, None] * stride_tvn + offs_d[None, :] * stride_tvd
+        tq = tl.load(tq_ptrs, mask=q_mask, other=0.0)
+    else:
+        tq = q
+        tk_ptrs = k_ptrs
+        tv_ptrs = v_ptrs
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    r_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    acc_a = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    acc_b = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    qk_scale = scale * 1.4426950408889634
+
+    # key blocks needing no mask first, then the ragged end (or causal diagonal) with masks
+    if CAUSAL:
+        full_hi = start_m * BLOCK_M  # BLOCK_M % BLOCK_N == 0, and Lq == Lkv
+        tail_hi = tl.minimum((start_m + 1) * BLOCK_M, LKV)
+    else:
+        full_hi = (LKV // BLOCK_N) * BLOCK_N
+        tail_hi = LKV
+    acc, acc_a, acc_b, l_i, m_i, r_i = _fwd_inner(
+        acc, acc_a, acc_b, l_i, m_i, r_i, q, tq, k_ptrs, v_ptrs, tk_ptrs, tv_ptrs,
+        stride_kn, stride_vn, stride_tkn, stride_tvn, offs_m, offs_n, offs_d, 0, full_hi, LKV, scale, qk_scale,
+        HEAD_DIM, BLOCK_D, BLOCK_N, HAS_TANGENT, False, CAUSAL, PRECISION,
+    )
+    acc, acc_a, acc_b, l_i, m_i, r_i = _fwd_inner(
+        acc, acc_a, acc_b, l_i, m_i, r_i, q, tq, k_ptrs, v_ptrs, tk_ptrs, tv_ptrs,
+        stride_kn, stride_vn, stride_tkn, stride_tvn, offs_m, offs_n, offs_d, full_hi, tail_hi, LKV, scale, qk_scale,
+        HEAD_DIM, BLOCK_D, BLOCK_N, HAS_TANGENT, True, CAUSAL, PRECISION,
+    )
+
+    # epilogue; a row with no key at all (l = 0) gets O = tO = 0 and lse = -inf instead of NaN
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    o = acc / l_safe[:, None]
+    o_off = off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od
+    tl.store(O + o_off, o.to(O.dtype.element_ty), mask=q_mask)
+    if HAS_TANGENT:
+        to = (acc_a + acc_b - r_i[:, None] * o) / l_safe[:, None]
+        tl.store(TO + o_off, to.to(TO.dtype.element_ty), mask=q_mask)
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
+    tl.store(LSE + off_bh.to(tl.int64) * LQ + offs_m, lse, mask=offs_m < LQ)
+
+
+# ---------------------------------------------------------------------------------------------
+# Launch configuration: tuned once per (head dim, dtype, causal, tangent, length bucket)
+# ---------------------------------------------------------------------------------------------
+
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages); BLOCK_M is a multiple of BLOCK_N (causal loop split)
+_CONFIGS = [
+    (128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 8, 3), (128, 128, 8, 2),
+    (64, 64, 4, 3), (64, 32, 4, 3), (64, 64, 8, 2), (64, 32, 8, 3),
+]
+
+
+def _prune(configs, named_args, **meta):
+    """Keep configs whose fp32 accumulators fit in ~128 registers a thread (three tiles with a tangent)."""
+    n_acc = 3 if meta["HAS_TANGENT"] else 1
+
+    def regs(c):
+        return n_acc * c.kwargs["BLOCK_M"] * meta["BLOCK_D"] / (32 * c.num_warps)
+
+    fits = [c for c in configs if regs(c) <= 128]
+    return fits or sorted(configs, key=regs)[:2]
+
+
+_fwd_tuned = triton.autotune(
+    configs=[triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in _CONFIGS],
+    key=["LQ_BUCKET", "LKV_BUCKET", "HEAD_DIM", "HAS_TANGENT", "CAUSAL", "PRECISION"],
+    prune_configs_by={"early_config_prune": _prune},
+    cache_results=True,
+)(_fwd_kernel)
+
+
+@functools.cache
+def interpreted() -> bool:
+    """True when Triton runs kernels on the CPU (TRITON_INTERPRET=1): no tuning, small blocks."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+# ---------------------------------------------------------------------------------------------
+# Wrapper
+# ---------------------------------------------------------------------------------------------
+
+SUPPORTED_HEAD_DIMS = tuple(range(16, 257, 8))
+
+
+def check_head_dim(head_dim: int) -> None:
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(
+            f"the fused Triton attention supports head dims 16..256 that are multiples of 8, got "
+            f"{head_dim}; change the model's width or number of heads, or use backend='math'"
+        )
+
+
+def attention_fwd(q, k, v, tq=None, tk=None, tv=None, *, causal: bool, scale: float):
+    """(o, to, lse) for q (B, H, Lq, D), k/v (B, H, Lkv, D); to is None without tangents.
+
+    Inputs are assumed checked (flm.attention.inputs); lse is (B, H, Lq) fp32 in natural log.
+    """
+    check_head_dim(q.shape[-1])
+    b, h, lq, d = q.shape
+    lkv = k.shape[2]
+    has_tangent = tq is not None
+    o = torch.empty((b, h, lq, d), dtype=q.dtype, device=q.device)
+    to = torch.empty_like(o) if has_tangent else None
+    lse = torch.empty((b, h, lq), dtype=torch.float32, device=q.device)
+    if lkv == 0 or lq == 0 or b * h == 0:  # nothing to attend to: O = tO = 0, lse = -inf
+        o.zero_()
+        if has_tangent:
+            to.zero_()
+        return o, to, lse.fill_(float("-inf"))
+    tq_, tk_, tv_ = (tq, tk, tv) if has_tangent else (q, k, v)
+    args = [
+        q, k, v, tq_, tk_, tv_, o, to if has_tangent else o, lse,
+        *q.stride(), *k.stride(), *v.stride(), *tq_.stride(), *tk_.stride(), *tv_.stride(), *o.stride(),
+        h, lq, lkv, scale, triton.next_power_of_2(lq), triton.next_power_of_2(lkv),
+    ]
+    meta = dict(
+        HEAD_DIM=d,
+        BLOCK_D=max(16, triton.next_power_of_2(d)),
+        HAS_TANGENT=has_tangent,
+        CAUSAL=causal,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+    )
+    if interpreted():
+        block = 16
+        grid = (triton.cdiv(lq, block), b * h)
+        _fwd_kernel[grid](*args, **meta, BLOCK_M=block, BLOCK_N=block)
+    else:
+        grid = lambda cfg: (triton.cdiv(lq, cfg["BLOCK_M"]), b * h)  # noqa: E731
+        _fwd_tuned[grid](*args, **meta)
+    return o, to, lse
+
+
+__all__ = ["attention_fwd", "check_head_dim", "interpreted", "SUPPORTED_HEAD_DIMS", "LOG2E", "LN2"]

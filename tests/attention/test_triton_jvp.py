@@ -1,0 +1,141 @@
+"""The fused JVP kernel and its Triton backward against float64 math attention.
+
+On the CPU these run in Triton's interpreter (fp32, fp16, small shapes); bf16 is covered by the
+gpu tests (the interpreter's bf16 dot is broken).
+"""
+
+import pytest
+import torch
+from torch.autograd import forward_ad
+
+from flm.attention import attention, jvp_attention
+from flm.attention import triton_jvp
+from tests.attention.reference import grads64, jvp64, randn, rel_err
+
+TOL = {torch.float32: 1e-5, torch.float16: 3e-3}
+
+# (B, H, Lq, Lkv, D, causal): ragged lengths, cross-attention, head dims 32 / 48 / 72, causal
+SHAPES = [
+    (2, 2, 37, 37, 32, False),
+    (1, 2, 33, 65, 48, False),
+    (1, 1, 40, 40, 72, True),
+    (2, 1, 50, 9, 72, False),
+    (1, 2, 1, 23, 16, False),
+    (1, 1, 31, 31, 32, True),
+]
+
+
+def _qkv(b, h, lq, lkv, d, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, tq = (randn(b, h, lq, d, dtype=dtype, generator=g) for _ in range(2))
+    k, v, tk, tv = (randn(b, h, lkv, d, dtype=dtype, generator=g) for _ in range(4))
+    return q, k, v, tq, tk, tv
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_fused_jvp_matches_torch_func_jvp_over_math(shape, dtype):
+    *dims, causal = shape
+    q, k, v, tq, tk, tv = _qkv(*dims, dtype)
+    o, to = jvp_attention(q, k, v, tq, tk, tv, causal=causal)
+    o_ref, to_ref = jvp64(q, k, v, tq, tk, tv, causal=causal)
+    assert o.dtype == dtype and to.dtype == dtype
+    assert rel_err(o, o_ref) < TOL[dtype]
+    assert rel_err(to, to_ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_triton_backward_matches_autograd_over_math(shape, dtype):
+    *dims, causal = shape
+    q, k, v, *_ = _qkv(*dims, dtype)
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    assert triton_jvp.backward_impl(q) == "triton"  # what runs on the CPU
+    o = attention(q, k, v, backend="triton_jvp", causal=causal)
+    do = torch.randn_like(o)
+    o.backward(do)
+    for got, ref in zip((q.grad, k.grad, v.grad), grads64(q, k, v, do, causal=causal)):
+        assert rel_err(got, ref) < TOL[dtype]
+
+
+def test_dual_and_func_jvp_paths_equal_direct_call():
+    q, k, v, tq, tk, tv = _qkv(2, 2, 29, 29, 32, torch.float32, seed=1)
+    o, to = jvp_attention(q, k, v, tq, tk, tv, scale=0.3)
+    with forward_ad.dual_level():
+        duals = [forward_ad.make_dual(x, t) for x, t in zip((q, k, v), (tq, tk, tv))]
+        out = forward_ad.unpack_dual(attention(*duals, backend="triton_jvp", scale=0.3))
+    f = lambda a, b, c: attention(a, b, c, backend="triton_jvp", scale=0.3)  # noqa: E731
+    o_func, to_func = torch.func.jvp(f, (q, k, v), (tq, tk, tv))
+    torch.testing.assert_close(out.primal, o, rtol=0, atol=0)
+    torch.testing.assert_close(out.tangent, to, rtol=0, atol=0)
+    torch.testing.assert_close(o_func, o, rtol=0, atol=0)
+    torch.testing.assert_close(to_func, to, rtol=0, atol=0)
+
+
+def test_dual_path_gradient_flows_to_primals_not_tangent():
+    q, k, v, tq, tk, tv = _qkv(1, 2, 21, 21, 32, torch.float32, seed=2)
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    tq.requires_grad_()  # a tangent with a graph must not leak into the tangent output
+    with forward_ad.dual_level():
+        duals = [forward_ad.make_dual(x, t) for x, t in zip((q, k, v), (tq, tk, tv))]
+        out = forward_ad.unpack_dual(attention(*duals, backend="triton_jvp"))
+        assert out.tangent.grad_fn is None and not out.tangent.requires_grad
+        do = torch.randn_like(out.primal)
+        out.primal.backward(do)
+    for got, ref in zip((q.grad, k.grad, v.grad), grads64(q, k, v, do)):
+        assert rel_err(got, ref) < 1e-5
+    assert tq.grad is None
+
+
+def test_partial_tangents_get_zeros():
+    """Keys and values with no tangent (a t-independent context) count as zero tangents."""
+    q, k, v, tq, _, _ = _qkv(1, 2, 17, 11, 32, torch.float32, seed=3)
+    with forward_ad.dual_level():
+        out = forward_ad.unpack_dual(attention(forward_ad.make_dual(q, tq), k, v, backend="triton_jvp"))
+    _, to_ref = jvp64(q, k, v, tq, torch.zeros_like(k), torch.zeros_like(v))
+    assert rel_err(out.tangent, to_ref) < 1e-5
+
+
+def test_non_contiguous_views_of_fused_qkv():
+    b, n, h, d = 2, 19, 2, 40
+    qkv = torch.randn(b, n, 3, h, d)
+    tqkv = torch.randn(b, 3, h, n, d)  # a different layout from the primal's
+    q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # (B, H, N, D) views, not contiguous
+    tq, tk, tv = tqkv.unbind(1)
+    assert not q.is_contiguous()
+    o, to = jvp_attention(q, k, v, tq, tk, tv)
+    o_ref, to_ref = jvp64(q, k, v, tq, tk, tv)
+    assert rel_err(o, o_ref) < 1e-5 and rel_err(to, to_ref) < 1e-5
+
+
+def test_no_keys_gives_zeros_not_nan():
+    q, tq = torch.randn(1, 2, 5, 32), torch.randn(1, 2, 5, 32)
+    k = torch.randn(1, 2, 0, 32, requires_grad=True)
+    v = torch.randn(1, 2, 0, 32, requires_grad=True)
+    q.requires_grad_()
+    o, to = jvp_attention(q, k, v, tq, torch.zeros_like(k), torch.zeros_like(v))
+    assert torch.equal(o, torch.zeros_like(o)) and torch.equal(to, torch.zeros_like(to))
+    o.sum().backward()
+    assert torch.equal(q.grad, torch.zeros_like(q))
+
+
+def test_plain_forward_matches_math():
+    q, k, v, *_ = _qkv(2, 2, 45, 30, 72, torch.float32, seed=4)
+    o = attention(q, k, v, backend="triton_jvp")
+    assert rel_err(o, jvp64(q, k, v, q, k, v)[0]) < 1e-5
+
+
+def test_compiles_without_graph_breaks():
+    """Custom ops keep torch.compile's graph whole on the plain forward and backward."""
+    torch._dynamo.reset()
+    q, k, v, *_ = _qkv(1, 2, 16, 16, 32, torch.float32, seed=5)
+    w = torch.randn(32, 32, requires_grad=True)
+
+    def step(q, k, v):
+        return attention(q @ w, k, v, backend="triton_jvp").square().sum()
+
+    loss = torch.compile(step, backend="aot_eager", fullgraph=True)(q, k, v)
+    loss.backward()
+    w_grad, w.grad = w.grad.clone(), None
+    step(q, k, v).backward()
+    torch.testing.assert_close(w_grad, w.grad)
