@@ -14,8 +14,6 @@ Layouts are (batch, heads, tokens, head_dim) with arbitrary strides for every in
 that are not a power of two are padded to one inside the kernel (masked loads).
 """
 
-import functools
-import math
 import os
 
 import torch
@@ -206,7 +204,6 @@ _fwd_tuned = triton.autotune(
 )(_fwd_kernel)
 
 
-@functools.cache
 def interpreted() -> bool:
     """True when Triton runs kernels on the CPU (TRITON_INTERPRET=1): no tuning, small blocks."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

@@ -1,0 +1,148 @@
+"""Attention JVP benchmark: fused Triton JVP forward vs FA2 / cuDNN forward vs math-attention JVP.
+
+    PYTHONPATH=. python benchmarks/attention.py                      # full table (one H200: ~5 min)
+    PYTHONPATH=. python benchmarks/attention.py --head-dims 64 --tokens 1024 4096 --out results/
+
+bf16, batch x heads = 64 (heads = 16). FLOPs of a forward: 4 * B * H * Lq * Lkv * D; the JVP forward is
+counted as 3 forwards (six matmuls instead of two). Peak memory is what the call allocates on top of
+its inputs (outputs included). "first call" is the wall time of the first call at a new shape,
+autotuning and compilation included; tuned configs are cached on disk by Triton for later runs.
+A bf16 matmul (8192^3) measured in the same run gives the ceiling.
+"""
+
+import argparse
+import json
+import os
+import time
+
+import torch
+import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import flm.attention as fa
+from flm.attention import math as math_backend
+
+
+def bench_ms(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def peak_extra_mib(fn) -> float:
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    del out
+    return peak / 2**20
+
+
+def matmul_tflops() -> float:
+    a, b = (torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    return 2 * 8192**3 / bench_ms(lambda: a @ b) / 1e9
+
+
+def run_row(d: int, n: int, heads: int = 16, bh: int = 64, dtype=torch.bfloat16) -> dict:
+    b = bh // heads
+    q, k, v, tq, tk, tv = (torch.randn(b, heads, n, d, device="cuda", dtype=dtype) for _ in range(6))
+    flops = 4 * b * heads * n * n * d
+    row = {"head_dim": d, "tokens": n, "batch": b, "heads": heads}
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fa.jvp_attention(q, k, v, tq, tk, tv)
+    torch.cuda.synchronize()
+    row["first_call_s"] = time.perf_counter() - t0
+    row["jvp_ms"] = bench_ms(lambda: fa.jvp_attention(q, k, v, tq, tk, tv))
+    row["jvp_tflops"] = 3 * flops / row["jvp_ms"] / 1e9
+    row["jvp_mib"] = peak_extra_mib(lambda: fa.jvp_attention(q, k, v, tq, tk, tv))
+
+    for name, backend in (("fa2", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+        try:
+            with sdpa_kernel(backend):
+                ms = bench_ms(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v))
+            row[f"{name}_tflops"] = flops / ms / 1e9
+        except RuntimeError as e:
+            row[f"{name}_tflops"] = None
+            row[f"{name}_error"] = str(e).splitlines()[0][:80]
+
+    scale = d**-0.5
+    math_jvp = lambda: torch.func.jvp(  # noqa: E731
+        lambda a, b_, c: math_backend.attention(a, b_, c, causal=False, scale=scale), (q, k, v), (tq, tk, tv)
+    )
+    try:
+        row["math_mib"] = peak_extra_mib(math_jvp)
+        row["math_ms"] = bench_ms(math_jvp)
+    except torch.OutOfMemoryError:
+        row["math_ms"] = row["math_mib"] = None
+    torch.cuda.empty_cache()
+    return row
+
+
+def fmt(x, spec=".1f"):
+    return "OOM" if x is None else format(x, spec)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 72, 128])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[256, 1024, 4096, 16384])
+    ap.add_argument("--out", default=os.environ.get("OUT"), help="folder for results.json and a plot")
+    args = ap.parse_args()
+
+    peak = matmul_tflops()
+    rows = []
+    for d in args.head_dims:
+        for n in args.tokens:
+            rows.append(run_row(d, n))
+            print(json.dumps(rows[-1]), flush=True)
+
+    props = torch.cuda.get_device_properties(0)
+    print(f"\n{props.name}, torch {torch.__version__}, triton {triton.__version__}, bf16, batch x heads = 64")
+    print(f"bf16 matmul 8192^3: {peak:.0f} TFLOP/s (ceiling)\n")
+    print("| head dim | tokens | fused JVP ms | fused JVP TFLOP/s | of matmul peak | FA2 fwd TFLOP/s | cuDNN fwd TFLOP/s "
+          "| math JVP ms | speed-up vs math | fused MiB | math MiB | first call s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        speedup = None if r["math_ms"] is None else r["math_ms"] / r["jvp_ms"]
+        print(f"| {r['head_dim']} | {r['tokens']} | {r['jvp_ms']:.3f} | {r['jvp_tflops']:.0f} | "
+              f"{r['jvp_tflops'] / peak:.2f} | {fmt(r['fa2_tflops'], '.0f')} | {fmt(r['cudnn_tflops'], '.0f')} | "
+              f"{fmt(r['math_ms'], '.2f')} | {fmt(speedup, '.1f')}x | {r['jvp_mib']:.0f} | {fmt(r['math_mib'], '.0f')} | "
+              f"{r['first_call_s']:.1f} |")
+
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        meta = {"gpu": props.name, "torch": torch.__version__, "triton": triton.__version__, "matmul_tflops": peak}
+        with open(os.path.join(args.out, "attention_bench.json"), "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+        plot(rows, peak, os.path.join(args.out, "attention_bench.png"))
+
+
+def plot(rows, peak, path):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for d in sorted({r["head_dim"] for r in rows}):
+        rs = [r for r in rows if r["head_dim"] == d]
+        n = [r["tokens"] for r in rs]
+        axes[0].plot(n, [r["jvp_tflops"] for r in rs], "o-", label=f"fused JVP, D={d}")
+        axes[0].plot(n, [r["fa2_tflops"] or float("nan") for r in rs], "x--", label=f"FA2 fwd, D={d}")
+        axes[1].plot(n, [r["jvp_mib"] for r in rs], "o-", label=f"fused JVP, D={d}")
+        axes[1].plot(n, [r["math_mib"] or float("nan") for r in rs], "x--", label=f"math JVP, D={d}")
+    axes[0].axhline(peak, color="k", lw=0.8, label="bf16 matmul")
+    axes[0].set(xscale="log", xlabel="tokens", ylabel="TFLOP/s", title="throughput (JVP counted as 3 fwd)")
+    axes[1].set(xscale="log", yscale="log", xlabel="tokens", ylabel="MiB", title="peak memory beyond inputs")
+    for ax in axes:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
