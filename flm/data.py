@@ -13,6 +13,7 @@ out, so a resumed run (under any world size) sees exactly the batches it would h
 
 import gzip
 import os
+from dataclasses import dataclass
 from importlib import resources
 
 import numpy as np
@@ -154,6 +155,31 @@ def build_dataset(name: str, *, root: str = "data", download: bool = True, resol
     return _torchvision(name, root, download)
 
 
+@dataclass
+class DataConfig:
+    """What `data=` selects: the dataset and how the loader reads it."""
+
+    name: str = "mnist_shipped"
+    root: str = "data"  # torchvision's layout under it, or class folders for imagefolder
+    download: bool = True  # torchvision datasets only; a clear error says where to put the files offline
+    resolution: int | None = None  # imagefolder: resize and centre-crop to this size
+    channels: int = 3  # imagefolder: 1 (grey) or 3 (RGB)
+    hflip: bool = False  # random horizontal flips (not for digits)
+    num_workers: int = 0  # DataLoader worker processes; 0 reads in the training process
+
+    def __post_init__(self):
+        if self.name not in DATASETS:
+            raise ValueError(f"unknown dataset data.name={self.name!r}; valid names: {', '.join(DATASETS)}")
+        if self.channels not in (1, 3):
+            raise ValueError(f"data.channels must be 1 or 3, got {self.channels}")
+        if self.num_workers < 0:
+            raise ValueError(f"data.num_workers must be >= 0, got {self.num_workers}")
+
+    def build(self):
+        return build_dataset(self.name, root=self.root, download=self.download, resolution=self.resolution,
+                             channels=self.channels)
+
+
 # ----------------------------------------------------------------------------------------------
 # Loader
 # ----------------------------------------------------------------------------------------------
@@ -205,10 +231,10 @@ class Loader:
 
     def _iterate(self):
         perm, flips = self._epoch_plan(self.epoch)
-        start = self.batch
-        lo = lambda b: b * self.global_batch + self.rank * self.batch_size  # noqa: E731
-        index_lists = [perm[lo(b): lo(b) + self.batch_size].tolist() for b in range(start, self.batches_per_epoch)]
-        flip_lists = [flips[lo(b): lo(b) + self.batch_size] for b in range(start, self.batches_per_epoch)]
+        # rank r's slice of global batch b: [b * global_batch + r * batch_size, ... + batch_size)
+        starts = [b * self.global_batch + self.rank * self.batch_size for b in range(self.batch, self.batches_per_epoch)]
+        index_lists = [perm[s: s + self.batch_size].tolist() for s in starts]
+        flip_lists = [flips[s: s + self.batch_size] for s in starts]
         if self.num_workers > 0:
             batches = torch.utils.data.DataLoader(
                 self.dataset, batch_sampler=index_lists, num_workers=self.num_workers,

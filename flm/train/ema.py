@@ -1,0 +1,57 @@
+"""Exponential moving averages of the model weights, one copy per decay rate."""
+
+import copy
+
+import torch
+from torch import nn
+
+
+def ema_key(decay: float) -> str:
+    return f"{decay:g}"
+
+
+class EMA:
+    """Averages of `model`'s parameters for each decay in `decays` (buffers are copied as they are).
+
+    The effective decay at optimizer step s is min(decay, (1 + s) / (10 + s)), so short runs and the
+    first steps of long ones are not dominated by the random initialisation.
+    """
+
+    def __init__(self, model: nn.Module, decays):
+        decays = [float(d) for d in decays]
+        if not decays or not all(0 <= d < 1 for d in decays):
+            raise ValueError(f"trainer.ema_decays must be a non-empty list of numbers in [0, 1), got {decays}")
+        self.models = {ema_key(d): self._copy(model) for d in decays}
+        self.decays = {ema_key(d): d for d in decays}
+
+    @staticmethod
+    def _copy(model: nn.Module) -> nn.Module:
+        ema = copy.deepcopy(model).eval()
+        ema.requires_grad_(False)
+        return ema
+
+    @property
+    def default(self) -> nn.Module:
+        """The first decay's model: the one sample grids use."""
+        return next(iter(self.models.values()))
+
+    @torch.no_grad()
+    def update(self, model: nn.Module, step: int) -> None:
+        src = [p.detach() for p in model.parameters()]
+        for key, ema in self.models.items():
+            decay = min(self.decays[key], (1 + step) / (10 + step))
+            torch._foreach_lerp_(list(ema.parameters()), src, 1.0 - decay)
+            for b_ema, b in zip(ema.buffers(), model.buffers()):
+                b_ema.copy_(b)
+
+    def state_dict(self) -> dict:
+        return {key: ema.state_dict() for key, ema in self.models.items()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if set(state) != set(self.models):
+            raise ValueError(
+                f"the checkpoint has EMA decays {sorted(state)} but trainer.ema_decays gives {sorted(self.models)}; "
+                f"pass the decays the run was started with"
+            )
+        for key, ema in self.models.items():
+            ema.load_state_dict(state[key])

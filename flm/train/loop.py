@@ -1,0 +1,330 @@
+"""The training loop: one code path for one process and for torchrun (DDP, or FSDP2 as an option).
+
+The loop knows neither the loss nor the sampler: it calls `objective.loss(model, x, y, step=...)`
+and, for sample grids, `objective.sample(...)`.
+
+Non-finite steps: when the loss or the gradient norm is NaN/inf on any rank, the optimizer step
+(and the EMA update) is skipped on every rank with a warning, and the count is logged; after
+`trainer.max_nonfinite` such steps in a row training stops with an error (the last checkpoint is
+left as it was). Data and RNG still advance, so a resumed run skips the same steps.
+"""
+
+import contextlib
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from flm import dist
+from flm.data import DataConfig, Loader, _seed
+from flm.log import LoggerConfig, RunLogger, progress_line
+from flm.train import checkpoint
+from flm.train.ema import EMA
+from flm.train.optim import OptimConfig, build_optimizer
+from flm.train.sampling import class_labels, generate, save_grid
+
+log = logging.getLogger("flm")
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = 2000
+    batch_size: int = 64  # global: images per optimizer step, summed over ranks and accumulation steps
+    grad_accum: int = 1
+    seed: int = 0
+    device: str = "auto"  # auto | cpu | cuda
+    precision: str = "auto"  # auto (bf16 autocast on CUDA, fp32 on CPU) | bf16 | fp32
+    compile: bool = False  # torch.compile the model (see DESIGN.md: JVP steps may not compile)
+    parallel: str = "ddp"  # under torchrun: ddp | fsdp (FSDP2 fully_shard)
+    class_conditional: bool = True  # condition on the dataset's labels (enables cfg_scale when sampling)
+    ema_decays: list[float] = field(default_factory=lambda: [0.999])
+    log_every: int = 50
+    sample_every: int = 0  # 0: a grid at the end only
+    sample_n: int = 64
+    sample_steps: int = 1
+    sample_cfg_scale: float = 1.0
+    ckpt_every: int = 0  # 0: a checkpoint at the end only
+    keep_last: int = 2
+    resume: str | None = None  # null (new run) | auto (latest checkpoint in the run folder) | a path
+    max_nonfinite: int = 10  # stop after this many skipped (non-finite) steps in a row
+
+    def __post_init__(self):
+        self.ema_decays = [float(d) for d in self.ema_decays]
+        positive = ("max_steps", "batch_size", "grad_accum", "log_every", "sample_n", "sample_steps", "max_nonfinite")
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ValueError(f"trainer.{name} must be > 0, got {getattr(self, name)}")
+        for name in ("sample_every", "ckpt_every", "keep_last"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"trainer.{name} must be >= 0 (0 = at the end only / keep all), got {getattr(self, name)}")
+        if self.precision not in ("auto", "bf16", "fp32"):
+            raise ValueError(f"trainer.precision must be auto, bf16 or fp32, got {self.precision!r}")
+        if self.parallel not in ("ddp", "fsdp"):
+            raise ValueError(f"trainer.parallel must be ddp or fsdp, got {self.parallel!r}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Pieces
+# ----------------------------------------------------------------------------------------------
+
+
+def local_batch_size(batch_size: int, grad_accum: int, world: int) -> int:
+    if batch_size % (world * grad_accum):
+        raise ValueError(
+            f"trainer.batch_size={batch_size} is not divisible by world size x grad_accum = {world} x {grad_accum}; "
+            f"pick a multiple of {world * grad_accum}"
+        )
+    return batch_size // (world * grad_accum)
+
+
+def amp_dtype(precision: str, device: torch.device) -> torch.dtype | None:
+    if precision == "bf16" or (precision == "auto" and device.type == "cuda"):
+        return torch.bfloat16
+    return None
+
+
+def check_attention(name: str, device: torch.device, dtype: torch.dtype | None) -> None:
+    """Fail before training when the chosen attention backend cannot run on this device."""
+    if name == "auto":
+        return
+    from flm.attention import get_attention
+
+    probe = torch.zeros(1, 1, 16, 16, device=device, dtype=dtype or torch.float32)
+    get_attention(name).check_available(probe)
+
+
+def wrap(model: nn.Module, parallel: str, device: torch.device) -> nn.Module:
+    """DDP or FSDP2 under torchrun; the model itself on one process."""
+    if dist.world_size() == 1:
+        return model
+    if parallel == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        for block in getattr(model, "blocks", []):
+            fully_shard(block)
+        return fully_shard(model)
+    return nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+
+
+def grad_sync(model: nn.Module, enabled: bool):
+    """Context in which backward all-reduces gradients only if `enabled` (for grad accumulation)."""
+    if enabled:
+        return contextlib.nullcontext()
+    if hasattr(model, "no_sync"):  # DDP
+        return model.no_sync()
+    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        model.set_requires_gradient_sync(False)
+        return _restore_sync(model)
+    return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _restore_sync(model):
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+def rng_state(device: torch.device) -> dict:
+    state = {"torch": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: dict, device: torch.device) -> None:
+    torch.set_rng_state(state["torch"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def resolve_resume(resume: str | None, run_dir: str) -> str | None:
+    """The checkpoint to continue from, or None for a new run; clear errors for every bad case."""
+    if resume in (None, "", "null", "none", False):
+        existing = checkpoint.list_checkpoints(run_dir)
+        if existing:
+            raise ValueError(
+                f"run folder {run_dir!r} already has checkpoints (latest {os.path.basename(existing[-1])}); "
+                f"pass trainer.resume=auto to continue it, or choose another run_dir"
+            )
+        return None
+    if resume == "auto":
+        found = checkpoint.list_checkpoints(run_dir)
+        if not found:
+            raise FileNotFoundError(
+                f"trainer.resume=auto but run folder {run_dir!r} has no checkpoint; pass run_dir=<folder of the "
+                f"run to continue> (or trainer.resume=<checkpoint file>), or drop trainer.resume to start anew"
+            )
+        return found[-1]
+    return checkpoint.find_checkpoint(str(resume))
+
+
+# ----------------------------------------------------------------------------------------------
+# Training
+# ----------------------------------------------------------------------------------------------
+
+
+def train(*, run_dir: str, model_fn, objective, data: DataConfig, optim: OptimConfig, trainer: TrainerConfig,
+          logger: LoggerConfig, attention: str = "auto", config: dict | None = None) -> dict:
+    """Train until trainer.max_steps; returns the last logged metrics.
+
+    model_fn(input_size=, in_channels=, num_classes=, time_inputs=, attention=) builds the network
+    (flm.models.build_model with its name bound); objective is a built flm.objectives objective;
+    config is the resolved run config stored in every checkpoint (sample.py rebuilds from it).
+    """
+    device = dist.init(trainer.device)
+    rank, world = dist.rank(), dist.world_size()
+    micro_batch = local_batch_size(trainer.batch_size, trainer.grad_accum, world)
+    dtype = amp_dtype(trainer.precision, device)
+    check_attention(attention, device, dtype)
+    resume_from = resolve_resume(trainer.resume, run_dir)
+    bundle = checkpoint.load(resume_from) if resume_from else None
+
+    dataset = data.build()
+    num_classes = dataset.num_classes if trainer.class_conditional else 0
+    model_args = dict(input_size=dataset.resolution, in_channels=dataset.channels, num_classes=num_classes,
+                      time_inputs=objective.time_inputs, attention=attention)
+    torch.manual_seed(trainer.seed)  # the same initial weights on every rank
+    raw = model_fn(**model_args)
+    model_args["name"] = getattr(model_fn, "keywords", {}).get("name", type(raw).__name__)
+    if bundle is not None:
+        checkpoint.check_model_args(resume_from, bundle["model_args"], model_args)
+        raw.load_state_dict(bundle["model"])
+        if bundle.get("objective"):
+            objective.load_state_dict(bundle["objective"])
+    raw.to(device)
+    if isinstance(objective, nn.Module):
+        objective.to(device)
+    objective_params = list(objective.parameters()) if isinstance(objective, nn.Module) else []
+    ema = EMA(raw, trainer.ema_decays)
+    model = wrap(raw, trainer.parallel, device)
+    if trainer.compile:
+        model = torch.compile(model)
+    params = [p for p in raw.parameters() if p.requires_grad] + objective_params
+    opt, sched = build_optimizer(params, optim)
+    loader = Loader(dataset, batch_size=micro_batch, rank=rank, world_size=world, seed=trainer.seed,
+                    hflip=data.hflip, num_workers=data.num_workers)
+    step, skipped_total, skipped_run = 0, 0, 0
+    if bundle is not None:
+        ema.load_state_dict(bundle["ema"])
+        opt.load_state_dict(bundle["optimizer"])
+        sched.load_state_dict(bundle["scheduler"])
+        loader.load_state_dict(bundle["data"])
+        set_rng_state(bundle["rng"], device)
+        step = int(bundle["step"])
+        skipped_total, skipped_run = bundle["nonfinite"]["total"], bundle["nonfinite"]["in_a_row"]
+        del bundle
+
+    n_params = sum(p.numel() for p in raw.parameters())
+    dist.info0(
+        f"run folder {os.path.abspath(run_dir)} | {model_args['name']} {n_params / 1e6:.2f}M params | "
+        f"{type(objective).__name__} | {len(dataset)} images {dataset.channels}x{dataset.resolution}x{dataset.resolution} | "
+        f"device {device} x {world} | precision {dtype or torch.float32} | batch {trainer.batch_size} = "
+        f"{world} ranks x {trainer.grad_accum} accum x {micro_batch}"
+        + (f" | resumed from {resume_from} at step {step}" if resume_from else "")
+    )
+    run_log = RunLogger(run_dir, logger, run_config=config)
+    labels = class_labels(trainer.sample_n, num_classes)
+    shape = (dataset.channels, dataset.resolution, dataset.resolution)
+
+    def sample_grid(at_step: int) -> None:
+        if not dist.is_main():
+            return
+        images = generate(ema.default, objective, seeds=list(range(trainer.sample_n)), labels=labels, shape=shape,
+                          steps=trainer.sample_steps, cfg_scale=trainer.sample_cfg_scale,
+                          batch_size=micro_batch * trainer.grad_accum, device=device, amp_dtype=dtype)
+        path = os.path.join(run_dir, "samples", f"step-{at_step:08d}.png")
+        save_grid(images, path, nrow=10 if num_classes == 10 else None)
+        run_log.log_image(at_step, "samples", path)
+
+    def save_checkpoint(at_step: int) -> None:
+        if dist.is_main():
+            state = {
+                "step": at_step, "model": raw.state_dict(), "ema": ema.state_dict(), "optimizer": opt.state_dict(),
+                "scheduler": sched.state_dict(), "objective": objective.state_dict(), "rng": rng_state(device),
+                "data": loader.state_dict(), "nonfinite": {"total": skipped_total, "in_a_row": skipped_run},
+                "model_args": model_args, "config": config or {},
+            }
+            checkpoint.save(state, checkpoint.checkpoint_path(run_dir, at_step), keep_last=trainer.keep_last)
+        dist.barrier()
+
+    metrics: dict = {}
+    window_t, window_steps, loss_sum = time.perf_counter(), 0, 0.0
+    t_start, step_start = time.perf_counter(), step
+    model.train()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    try:
+        while step < trainer.max_steps:
+            torch.manual_seed(_seed(trainer.seed, rank, step))  # per rank, per step: resumes exactly
+            loss_step = torch.zeros((), device=device)
+            for micro in range(trainer.grad_accum):
+                x, y = loader.next()
+                x = x.to(device, non_blocking=True)
+                y = y.to(device, non_blocking=True) if num_classes else None
+                with grad_sync(model, micro == trainer.grad_accum - 1):
+                    with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+                        loss, extra = objective.loss(model, x, y, step=step)
+                    (loss / trainer.grad_accum).backward()
+                loss_step += loss.detach().float() / trainer.grad_accum
+            for p in objective_params:  # not inside DDP/FSDP: average by hand so ranks agree
+                if p.grad is not None:
+                    p.grad = dist.all_mean(p.grad)
+            grad_norm = nn.utils.clip_grad_norm_(params, optim.grad_clip if optim.grad_clip > 0 else math.inf)
+            finite = dist.all_min((torch.isfinite(loss_step) & torch.isfinite(grad_norm)).float())
+            if finite.item() == 1.0:
+                opt.step()
+                sched.step()
+                ema.update(raw, step)
+                skipped_run = 0
+            else:
+                skipped_total, skipped_run = skipped_total + 1, skipped_run + 1
+                log.warning(f"step {step}: non-finite loss {loss_step.item()} or grad norm {grad_norm.item()}; "
+                            f"skipped ({skipped_run} in a row, {skipped_total} in total)")
+                if skipped_run >= trainer.max_nonfinite:
+                    raise FloatingPointError(
+                        f"{skipped_run} non-finite steps in a row (last at step {step}); training stopped. "
+                        f"Lower optim.lr, raise optim.warmup_steps or keep optim.grad_clip > 0, then resume "
+                        f"from the last checkpoint"
+                    )
+            opt.zero_grad(set_to_none=True)
+            step += 1
+            window_steps += 1
+            loss_sum += loss_step.item() if math.isfinite(loss_step.item()) else 0.0
+
+            if step % trainer.log_every == 0 or step == trainer.max_steps:
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                now = time.perf_counter()
+                seconds = now - window_t
+                metrics = {
+                    "loss": dist.all_mean(torch.tensor(loss_sum / window_steps, device=device)).item(),
+                    "grad_norm": grad_norm.item(),
+                    "lr": sched.get_last_lr()[0],
+                    "images_per_s": trainer.batch_size * window_steps / seconds,
+                    "step_ms": 1000 * seconds / window_steps,
+                    "nonfinite_steps": skipped_total,
+                    "epoch": loader.epoch,
+                    **{k: float(v) for k, v in extra.items()},
+                }
+                if device.type == "cuda":
+                    metrics["gpu_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+                elapsed = now - t_start
+                eta = elapsed / (step - step_start) * (trainer.max_steps - step)
+                dist.info0(progress_line(step, trainer.max_steps, metrics, elapsed, eta))
+                run_log.log(step, metrics)
+                window_t, window_steps, loss_sum = time.perf_counter(), 0, 0.0
+
+            if step == trainer.max_steps or (trainer.sample_every and step % trainer.sample_every == 0):
+                sample_grid(step)
+            if step == trainer.max_steps or (trainer.ckpt_every and step % trainer.ckpt_every == 0):
+                save_checkpoint(step)
+    finally:
+        run_log.close()
+    dist.info0(f"done: {step} steps; checkpoint {checkpoint.checkpoint_path(run_dir, step)}")
+    return metrics

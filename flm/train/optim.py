@@ -1,0 +1,34 @@
+"""AdamW with a linear learning-rate warm-up (then constant, as MeanFlow and sCM train)."""
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-4
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = 0.0
+    eps: float = 1e-8
+    warmup_steps: int = 0  # lr rises linearly from lr/warmup_steps to lr over this many steps
+    grad_clip: float = 1.0  # max global grad norm; 0 turns clipping off (the norm is still logged)
+
+    def __post_init__(self):
+        self.betas = tuple(float(b) for b in self.betas)
+        if not self.lr > 0:
+            raise ValueError(f"optim.lr must be > 0, got {self.lr}; pass e.g. optim.lr=1e-4")
+        if self.warmup_steps < 0:
+            raise ValueError(f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
+        if self.grad_clip < 0:
+            raise ValueError(f"optim.grad_clip must be >= 0 (0 = off), got {self.grad_clip}")
+        if not all(0 <= b < 1 for b in self.betas) or len(self.betas) != 2:
+            raise ValueError(f"optim.betas must be two numbers in [0, 1), got {list(self.betas)}")
+
+
+def build_optimizer(params, cfg: OptimConfig):
+    """(AdamW, LambdaLR warm-up scheduler) over `params`."""
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, eps=cfg.eps)
+    warmup = max(cfg.warmup_steps, 1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / warmup))
+    return opt, sched

@@ -1,0 +1,78 @@
+"""Sampling shared by the training loop's grids and sample.py: one seed per image, PNG grids, .npz."""
+
+import contextlib
+import math
+import os
+
+import numpy as np
+import torch
+
+
+def class_labels(n: int, num_classes: int, label: int | None = None) -> torch.Tensor | None:
+    """Labels for n images: all `label` if given, else cycling 0, 1, ..., num_classes - 1 (None if unconditional)."""
+    if num_classes == 0:
+        if label is not None:
+            raise ValueError(f"label={label} given but the model is unconditional; drop the label option")
+        return None
+    if label is not None and not 0 <= label < num_classes:
+        raise ValueError(f"label must be in [0, {num_classes - 1}], got {label}")
+    return torch.full((n,), label) if label is not None else torch.arange(n) % num_classes
+
+
+def image_noise(seeds, shape) -> torch.Tensor:
+    """Noise (N, *shape) where image i comes from its own generator seeded with seeds[i]."""
+    return torch.stack([torch.randn(shape, generator=torch.Generator().manual_seed(int(s))) for s in seeds])
+
+
+@torch.no_grad()
+def generate(model, objective, *, seeds, labels, shape, steps: int, cfg_scale: float = 1.0,
+             batch_size: int = 64, device="cpu", amp_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Images in [-1, 1], (len(seeds), *shape), on the CPU; the same seeds give the same images
+    whatever the batch size (noise is drawn per image, and the global RNG is re-seeded per image
+    batch from that batch's first seed for samplers that draw extra noise)."""
+    was_training = model.training
+    model.eval()
+    out = []
+    for lo in range(0, len(seeds), batch_size):
+        seeds_b = seeds[lo: lo + batch_size]
+        noise = image_noise(seeds_b, shape).to(device)
+        y = None if labels is None else labels[lo: lo + batch_size].to(device)
+        autocast = torch.autocast(device.type, dtype=amp_dtype) if amp_dtype else contextlib.nullcontext()
+        with autocast:
+            x = objective.sample(model, noise, y, steps=steps, cfg_scale=cfg_scale)
+        out.append(x.float().clamp(-1, 1).cpu())
+    model.train(was_training)
+    return torch.cat(out)
+
+
+def to_uint8(images: torch.Tensor) -> np.ndarray:
+    """[-1, 1] (N, C, H, W) float -> uint8 (N, H, W, C)."""
+    return ((images + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).numpy()
+
+
+def save_grid(images: torch.Tensor, path: str, nrow: int | None = None) -> None:
+    """PNG grid of [-1, 1] images, written atomically (temporary file, then rename)."""
+    from PIL import Image
+
+    n, c, h, w = images.shape
+    nrow = nrow or math.ceil(math.sqrt(n))
+    ncol = math.ceil(n / nrow)
+    pixels = to_uint8(images)
+    pad = 2
+    grid = np.zeros((ncol * (h + pad) + pad, nrow * (w + pad) + pad, c), dtype=np.uint8)
+    for i in range(n):
+        r, q = divmod(i, nrow)
+        grid[pad + r * (h + pad): pad + r * (h + pad) + h, pad + q * (w + pad): pad + q * (w + pad) + w] = pixels[i]
+    image = Image.fromarray(grid[..., 0] if c == 1 else grid)
+    tmp = f"{path}.tmp"
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    image.save(tmp, format="PNG")
+    os.replace(tmp, path)
+
+
+def save_npz(path: str, images: torch.Tensor, seeds, labels) -> None:
+    """images (uint8 N, H, W, C), seeds and labels (-1 when unconditional), written atomically."""
+    tmp = f"{path}.tmp.npz"
+    labels = np.full(len(seeds), -1) if labels is None else labels.numpy()
+    np.savez(tmp, images=to_uint8(images), seeds=np.asarray(seeds), labels=labels)
+    os.replace(tmp, path)
