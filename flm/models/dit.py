@@ -1,0 +1,257 @@
+"""Diffusion Transformer (Peebles & Xie 2023, arXiv 2212.09748) built from flm.nn layers.
+
+Patchify, 2-D sin-cos position embedding, adaLN-Zero blocks, a final adaLN layer, zero-initialised
+outputs, as in facebookresearch/DiT, with:
+- any image size and channel count (pixels or VAE latents), output shaped like the input;
+- class conditioning with a null class (index `num_classes`) for classifier-free guidance;
+- a time embedding of t, or of (t, t - r) for MeanFlow (`time_inputs=2`, the paper's choice);
+- attention through `flm.attention.attention` with the backend as a constructor argument.
+
+Nothing here knows about JVPs: dual tensors (forward AD) and torch.func.jvp flow through, and the
+flm.nn layers keep the tangent path free of a reverse-mode graph.
+
+    from flm.models import build_model
+    model = build_model("DiT-B/2", input_size=32, in_channels=4, num_classes=1000, attention="triton_jvp")
+    out = model(x, t, y=y)          # x (B, C, H, W), t (B,) -> (B, C, H, W)
+"""
+
+import math
+
+import torch
+from torch import nn
+
+from flm import nn as fnn
+from flm.attention import attention as attention_fn
+
+# name: (depth, hidden size, heads, patch size)
+MODEL_SIZES = {
+    f"DiT-{size}/{patch}": (depth, hidden, heads, patch)
+    for size, (depth, hidden, heads) in {
+        "S": (12, 384, 6),
+        "B": (12, 768, 12),
+        "L": (24, 1024, 16),
+        "XL": (28, 1152, 16),
+    }.items()
+    for patch in (2, 4, 8)
+}
+# tiny sizes for CPU tests; head dim 32 so the Triton JVP kernel runs them
+MODEL_SIZES["DiT-T/2"] = (2, 64, 2, 2)
+MODEL_SIZES["DiT-T/4"] = (2, 64, 2, 4)
+
+
+# --------------------------------------------------------------------------------------------
+# Embeddings
+# --------------------------------------------------------------------------------------------
+
+
+def sincos_pos_embed_2d(dim: int, grid: int) -> torch.Tensor:
+    """(grid * grid, dim) fixed 2-D sin-cos embedding, half the channels per axis (MAE / DiT)."""
+    assert dim % 4 == 0, "hidden size must be divisible by 4 for the 2-D sin-cos embedding"
+    omega = 1.0 / 10000 ** (torch.arange(dim // 4, dtype=torch.float64) / (dim // 4))
+    coords = torch.arange(grid, dtype=torch.float64)
+    gy, gx = torch.meshgrid(coords, coords, indexing="ij")
+
+    def embed(pos):  # (grid * grid,) -> (grid * grid, dim // 2)
+        angles = pos.reshape(-1, 1) * omega
+        return torch.cat([angles.sin(), angles.cos()], dim=1)
+
+    return torch.cat([embed(gy), embed(gx)], dim=1).float()
+
+
+class TimestepEmbedder(nn.Module):
+    """Scalar -> sinusoidal features of `time_scale * t` -> MLP (DiT's TimestepEmbedder)."""
+
+    def __init__(self, hidden: int, freq_dim: int = 256, time_scale: float = 1000.0):
+        super().__init__()
+        half = freq_dim // 2
+        self.register_buffer(
+            "freqs", time_scale * torch.exp(-math.log(10000) * torch.arange(half) / half), persistent=False
+        )
+        self.fc1 = fnn.Linear(freq_dim, hidden)
+        self.fc2 = fnn.Linear(hidden, hidden)
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        args = t.float()[:, None] * self.freqs[None]  # (B, freq_dim / 2)
+        emb = torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+        return self.fc2(fnn.silu(self.fc1(emb)))  # (B, hidden)
+
+
+# --------------------------------------------------------------------------------------------
+# Blocks
+# --------------------------------------------------------------------------------------------
+
+
+class Attention(nn.Module):
+    def __init__(self, hidden: int, heads: int, backend: str):
+        super().__init__()
+        self.heads, self.backend = heads, backend
+        self.qkv = fnn.Linear(hidden, 3 * hidden)
+        self.proj = fnn.Linear(hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, N, D = x.shape
+        qkv = self.qkv(x).reshape(B, N, 3, self.heads, D // self.heads).permute(2, 0, 3, 1, 4)
+        q_BHND, k_BHND, v_BHND = qkv.unbind(0)
+        o_BHND = attention_fn(q_BHND, k_BHND, v_BHND, backend=self.backend)
+        return self.proj(o_BHND.transpose(1, 2).reshape(B, N, D))
+
+
+class Mlp(nn.Module):
+    def __init__(self, hidden: int, mlp_ratio: float):
+        super().__init__()
+        self.fc1 = fnn.Linear(hidden, int(hidden * mlp_ratio))
+        self.fc2 = fnn.Linear(int(hidden * mlp_ratio), hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(fnn.gelu_tanh(self.fc1(x)))
+
+
+class DiTBlock(nn.Module):
+    """adaLN-Zero block: x + gate * f(LN(x) * (1 + scale) + shift) for f in (attention, MLP)."""
+
+    def __init__(self, hidden: int, heads: int, mlp_ratio: float, backend: str):
+        super().__init__()
+        self.attn = Attention(hidden, heads, backend)
+        self.mlp = Mlp(hidden, mlp_ratio)
+        self.adaLN_modulation = fnn.Linear(hidden, 6 * hidden)
+
+    def forward(self, x: torch.Tensor, c_act: torch.Tensor) -> torch.Tensor:
+        # x (B, N, D); c_act = SiLU(conditioning) (B, D); each modulation (B, 1, D)
+        mods = self.adaLN_modulation(c_act).unsqueeze(1).chunk(6, dim=-1)
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = mods
+        x = fnn.gated_residual(x, gate_msa, self.attn(fnn.layer_norm(x, 1 + scale_msa, shift_msa)))
+        x = fnn.gated_residual(x, gate_mlp, self.mlp(fnn.layer_norm(x, 1 + scale_mlp, shift_mlp)))
+        return x
+
+
+class FinalLayer(nn.Module):
+    def __init__(self, hidden: int, patch: int, out_channels: int):
+        super().__init__()
+        self.adaLN_modulation = fnn.Linear(hidden, 2 * hidden)
+        self.linear = fnn.Linear(hidden, patch * patch * out_channels)
+
+    def forward(self, x: torch.Tensor, c_act: torch.Tensor) -> torch.Tensor:
+        shift, scale = self.adaLN_modulation(c_act).unsqueeze(1).chunk(2, dim=-1)
+        return self.linear(fnn.layer_norm(x, 1 + scale, shift))  # (B, N, p * p * C)
+
+
+# --------------------------------------------------------------------------------------------
+# Model
+# --------------------------------------------------------------------------------------------
+
+
+class DiT(nn.Module):
+    """forward(x, t, r=None, y=None) -> tensor shaped like x.
+
+    x (B, C, H, W); t (B,) (or a scalar) in the objective's time units (embedded as 1000 t);
+    r (B,) second time for MeanFlow (`time_inputs=2`: the embedding is of t and t - r);
+    y (B,) integer labels in [0, num_classes], `num_classes` being the null (unconditional) class;
+    y=None on a conditional model means the null class for every sample.
+    """
+
+    def __init__(
+        self,
+        *,
+        input_size: int,
+        in_channels: int,
+        patch_size: int,
+        hidden_size: int,
+        depth: int,
+        num_heads: int,
+        mlp_ratio: float = 4.0,
+        num_classes: int = 0,
+        time_inputs: int = 1,
+        attention: str = "auto",
+    ):
+        super().__init__()
+        if input_size % patch_size:
+            raise ValueError(
+                f"input_size {input_size} is not divisible by the patch size {patch_size}; "
+                f"use an image size that is a multiple of {patch_size} or a model with a smaller patch"
+            )
+        if time_inputs not in (1, 2):
+            raise ValueError(f"time_inputs must be 1 (t) or 2 (t, r for MeanFlow), got {time_inputs!r}")
+        if num_classes < 0:
+            raise ValueError(f"num_classes must be >= 0 (0: unconditional), got {num_classes}")
+        self.input_size, self.in_channels, self.patch_size = input_size, in_channels, patch_size
+        self.num_classes, self.time_inputs = num_classes, time_inputs
+        self.grid = input_size // patch_size
+
+        self.x_embedder = fnn.Linear(in_channels * patch_size**2, hidden_size)  # patchify as a linear
+        self.register_buffer("pos_embed", sincos_pos_embed_2d(hidden_size, self.grid)[None], persistent=False)
+        self.t_embedder = TimestepEmbedder(hidden_size)
+        self.dt_embedder = TimestepEmbedder(hidden_size) if time_inputs == 2 else None
+        self.y_embedder = nn.Embedding(num_classes + 1, hidden_size) if num_classes > 0 else None
+        self.blocks = nn.ModuleList(
+            DiTBlock(hidden_size, num_heads, mlp_ratio, attention) for _ in range(depth)
+        )
+        self.final_layer = FinalLayer(hidden_size, patch_size, in_channels)
+        self.initialize_weights()
+
+    def initialize_weights(self) -> None:
+        """DiT's init: xavier linears, N(0, 0.02) embeddings, zero adaLN and output layers."""
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.xavier_uniform_(m.weight)
+                nn.init.zeros_(m.bias)
+        for emb in (self.t_embedder, self.dt_embedder):
+            if emb is not None:
+                nn.init.normal_(emb.fc1.weight, std=0.02)
+                nn.init.normal_(emb.fc2.weight, std=0.02)
+        if self.y_embedder is not None:
+            nn.init.normal_(self.y_embedder.weight, std=0.02)
+        for block in self.blocks:
+            nn.init.zeros_(block.adaLN_modulation.weight)
+            nn.init.zeros_(block.adaLN_modulation.bias)
+        for layer in (self.final_layer.adaLN_modulation, self.final_layer.linear):
+            nn.init.zeros_(layer.weight)
+            nn.init.zeros_(layer.bias)
+
+    def forward(self, x, t, r=None, y=None):
+        B, C, H, W = x.shape
+        self._check_inputs(x, r, y)
+        p, gh, gw = self.patch_size, H // self.patch_size, W // self.patch_size
+        # patchify: (B, C, H, W) -> (B, N, C * p * p)
+        patches = x.reshape(B, C, gh, p, gw, p).permute(0, 2, 4, 1, 3, 5).reshape(B, gh * gw, C * p * p)
+        h = self.x_embedder(patches) + self.pos_embed  # (B, N, D)
+
+        t = t.expand(B) if t.dim() == 0 else t
+        c = self.t_embedder(t)  # (B, D)
+        if self.dt_embedder is not None:
+            c = c + self.dt_embedder(t - (r.expand(B) if r.dim() == 0 else r))
+        if self.y_embedder is not None:
+            if y is None:
+                y = torch.full((B,), self.num_classes, dtype=torch.long, device=x.device)
+            c = c + self.y_embedder(y)
+        c_act = fnn.silu(c)
+
+        for block in self.blocks:
+            h = block(h, c_act)
+        out = self.final_layer(h, c_act)  # (B, N, p * p * C)
+        # unpatchify: (B, N, p * p * C) -> (B, C, H, W)
+        out = out.reshape(B, gh, gw, p, p, C).permute(0, 5, 1, 3, 2, 4).reshape(B, C, H, W)
+        return out.to(x.dtype)
+
+    def _check_inputs(self, x, r, y) -> None:
+        expected = (self.in_channels, self.input_size, self.input_size)
+        if x.dim() != 4 or tuple(x.shape[1:]) != expected:
+            raise ValueError(
+                f"x has shape {tuple(x.shape)}, expected (B, {', '.join(map(str, expected))}); build the "
+                f"model with the data's input_size and in_channels"
+            )
+        if (r is None) != (self.time_inputs == 1):
+            raise ValueError(
+                f"this model takes {self.time_inputs} time input(s); "
+                + ("pass r (MeanFlow) or build it with time_inputs=1" if r is None else "drop r or build it with time_inputs=2")
+            )
+        if y is None:
+            return
+        if self.num_classes == 0:
+            raise ValueError("labels y were given to an unconditional model; build it with num_classes > 0 or pass y=None")
+        if y.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"labels y must be integers, got dtype {y.dtype}")
+        if bool(((y < 0) | (y > self.num_classes)).any()):
+            raise ValueError(
+                f"labels y must lie in [0, {self.num_classes}] ({self.num_classes} is the null class), "
+                f"got values from {int(y.min())} to {int(y.max())}"
+            )

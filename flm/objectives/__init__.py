@@ -1,0 +1,30 @@
+"""Objectives by name; each owns its loss and its sampler (the trainer knows neither).
+
+    from flm.objectives import build_objective
+    objective = build_objective("meanflow", jvp_mode="dual").to(device)
+    model = build_model(..., time_inputs=objective.time_inputs)
+    opt = torch.optim.AdamW(list(model.parameters()) + list(objective.parameters()))  # sCM has some
+    loss, metrics = objective.loss(model, x, y, step=step)
+    x = objective.sample(model, noise, y, steps=1, cfg_scale=1.0)
+
+Every objective is an nn.Module (parameters: only sCM's adaptive weighting; state_dict for the
+checkpoint) with `time_inputs` (1, or 2 for MeanFlow's (t, r)), `loss(model, x, y=None, *, step=0)
+-> (loss, metrics)` and `sample(model, noise, y=None, *, steps, cfg_scale=1.0) -> x`.
+"""
+
+from flm.objectives.consistency import SCM
+from flm.objectives.flow_matching import FlowMatching
+from flm.objectives.jvp import JVP_MODES
+from flm.objectives.meanflow import MeanFlow
+
+OBJECTIVES = {"flow_matching": FlowMatching, "meanflow": MeanFlow, "scm": SCM}
+
+
+def build_objective(name: str, **kwargs):
+    """The objective `name` ("flow_matching", "meanflow", "scm") built with keyword arguments."""
+    if name not in OBJECTIVES:
+        raise ValueError(f"unknown objective {name!r}; valid names: {', '.join(OBJECTIVES)}")
+    return OBJECTIVES[name](**kwargs)
+
+
+__all__ = ["JVP_MODES", "OBJECTIVES", "SCM", "FlowMatching", "MeanFlow", "build_objective"]

@@ -1,0 +1,159 @@
+"""Continuous-time consistency training, sCT (Lu & Song 2024, arXiv 2410.11081), on TrigFlow.
+
+TrigFlow path (flm.objectives.paths.TrigFlowPath): x_t = cos(t) x0 + sin(t) z, z ~ N(0, sigma_d^2 I),
+t in [0, pi/2], t = pi/2 noise. Consistency function (eq. 7), with c_noise(t) = t (section 4.1):
+
+    f(x_t, t) = cos(t) x_t - sin(t) sigma_d F(x_t / sigma_d, t)          F = the model
+
+Loss (Algorithm 1, sCT: no teacher; dx_t/dt = cos(t) z - sin(t) x0 from the data):
+
+    cos(t) sin(t) dF-/dt = JVP of F-(x_t / sigma_d, t) along (cos t sin t dx_t/dt / sigma_d, cos t sin t)
+    g = -cos^2(t) (sigma_d F- - dx_t/dt) - warm * (cos t sin t x_t + sigma_d cos t sin t dF-/dt)
+    g = g / (||g|| + c)                                                   (tangent normalisation)
+    L = exp(-logvar(t)) ||F - F- - g||^2 / D + logvar(t)                  (adaptive weighting)
+
+where F- = stopgrad(F), warm = min(1, step / warmup_steps) (tangent warm-up) and logvar(t) = -w_phi(t)
+is a small learned head (Fourier features of t -> linear, zero-initialised, as EDM2's).
+
+THE OBJECTIVE HAS PARAMETERS: optimise them with the model,
+`torch.optim.AdamW(list(model.parameters()) + list(objective.parameters()))`, move it with
+`objective.to(device)` and save `objective.state_dict()` in the checkpoint.
+
+Sampling (section 3): x0 = f(sigma_d eps, t_max), then for each intermediate time t_i
+x0 = f(cos(t_i) x0 + sin(t_i) sigma_d eps_i, t_i); t_max = arctan(80 / sigma_d), 2-step t_1 = 1.1.
+
+    from flm.objectives import SCM
+    scm = SCM(sigma_d=0.5, warmup_steps=10_000, jvp_mode="dual").to(device)
+    loss, metrics = scm.loss(model, x, y, step=step)
+    images = scm.sample(model, torch.randn_like(x), y, steps=2)
+"""
+
+import math
+
+import torch
+from torch import nn
+
+from flm.objectives.guidance import check_cfg, drop_labels, guided
+from flm.objectives.jvp import check_jvp_mode, jvp
+from flm.objectives.paths import TrigFlowPath, bcast, check_probability, check_std, lognormal_trigflow
+
+
+class LogVar(nn.Module):
+    """logvar(t) = linear(cos(t * freqs + phases) * sqrt(2)), freqs and phases fixed (EDM2's head)."""
+
+    def __init__(self, channels: int = 128, seed: int = 0):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.register_buffer("freqs", 2 * math.pi * torch.randn(channels, generator=g))
+        self.register_buffer("phases", 2 * math.pi * torch.rand(channels, generator=g))
+        self.linear = nn.Linear(channels, 1)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        features = torch.cos(t.float()[:, None] * self.freqs + self.phases) * math.sqrt(2)  # (B, C)
+        return self.linear(features).squeeze(1)  # (B,)
+
+
+class SCM(nn.Module):
+    """sCT loss on TrigFlow and its 1- or few-step sampler.
+
+    Args:
+        sigma_d: data standard deviation (0.5 for images in [-1, 1]; adjust for latents).
+        p_mean, p_std: proposal tan(t) = exp(N(p_mean, p_std^2)) / sigma_d (paper: -1.0, 1.4 on
+            CIFAR-10; -0.8, 1.6 on ImageNet 64).
+        tangent_c: c of the tangent normalisation g / (||g|| + c) (paper: 0.1).
+        warmup_steps: tangent warm-up length in training steps (paper: 10k); 0 turns it off.
+        logvar_channels: Fourier features of the adaptive-weighting head.
+        label_dropout: probability of the null label (CFG training); classes read from the model.
+        jvp_mode: "dual" (one dual pass) or "two_pass" (no-grad JVP pass + gradient pass).
+        sigma_max: t_max = arctan(sigma_max / sigma_d) is where sampling starts.
+        mid_t: intermediate times for multi-step sampling, used when steps == len(mid_t) + 1
+            (paper: (1.1,) for 2 steps); other step counts space times uniformly in t.
+    """
+
+    time_inputs = 1
+
+    def __init__(
+        self,
+        *,
+        sigma_d: float = 0.5,
+        p_mean: float = -1.0,
+        p_std: float = 1.4,
+        tangent_c: float = 0.1,
+        warmup_steps: int = 10_000,
+        logvar_channels: int = 128,
+        label_dropout: float = 0.1,
+        jvp_mode: str = "dual",
+        sigma_max: float = 80.0,
+        mid_t: tuple[float, ...] = (1.1,),
+    ):
+        super().__init__()
+        check_std("sigma_d", sigma_d)
+        check_std("p_std", p_std)
+        check_std("sigma_max", sigma_max)
+        check_probability("label_dropout", label_dropout)
+        if tangent_c < 0 or warmup_steps < 0:
+            raise ValueError(f"tangent_c and warmup_steps must be >= 0, got {tangent_c!r} and {warmup_steps!r}")
+        self.t_max = math.atan(sigma_max / sigma_d)
+        if any(not 0 < t < self.t_max for t in mid_t):
+            raise ValueError(f"mid_t values must lie in (0, t_max={self.t_max:.4f}), got {tuple(mid_t)}")
+        self.sigma_d, self.p_mean, self.p_std = sigma_d, p_mean, p_std
+        self.tangent_c, self.warmup_steps, self.label_dropout = tangent_c, warmup_steps, label_dropout
+        self.jvp_mode = check_jvp_mode(jvp_mode)
+        self.mid_t = tuple(float(t) for t in mid_t)
+        self.path = TrigFlowPath(sigma_d)
+        self.logvar = LogVar(logvar_channels)
+
+    def warmup(self, step: int) -> float:
+        return 1.0 if self.warmup_steps == 0 else min(1.0, step / self.warmup_steps)
+
+    def loss(self, model, x, y=None, *, step: int = 0):
+        y = drop_labels(model, y, self.label_dropout)
+        sigma_d = self.sigma_d
+        t = lognormal_trigflow(x.shape[0], self.p_mean, self.p_std, sigma_d, device=x.device)
+        s = self.path.sample(x, torch.randn_like(x), t)
+        cos_t, sin_t = bcast(torch.cos(t), x), bcast(torch.sin(t), x)
+
+        # JVP rearrangement: tangents pre-multiplied by cos t sin t, giving cos t sin t dF/dt directly
+        F, cs_dFdt = jvp(
+            lambda x_in, t_in: model(x_in, t_in, None, y),
+            (s.x_t / sigma_d, t),
+            (cos_t * sin_t * s.dx_t / sigma_d, torch.cos(t) * torch.sin(t)),
+            mode=self.jvp_mode,
+        )
+        F_minus = F.detach().float()
+        g = -cos_t.square() * (sigma_d * F_minus - s.dx_t) - self.warmup(step) * (
+            cos_t * sin_t * s.x_t + sigma_d * cs_dFdt.float()
+        )
+        g_norm = g.flatten(1).norm(dim=1)
+        g = g / bcast(g_norm + self.tangent_c, g)
+
+        mse = (F.float() - F_minus - g).square().flatten(1).mean(1)  # ||.||^2 / D per sample
+        logvar = self.logvar(t)
+        loss = (torch.exp(-logvar) * mse + logvar).mean()
+        return loss, {"loss": loss.detach(), "mse": mse.detach().mean(), "tangent_norm": g_norm.detach().mean()}
+
+    def consistency_fn(self, model, x_t, t, y, cfg_scale: float = 1.0):
+        """f(x_t, t) = cos(t) x_t - sin(t) sigma_d F(x_t / sigma_d, t), t a python float."""
+        F = guided(model, x_t / self.sigma_d, torch.full((x_t.shape[0],), t, device=x_t.device), None, y, cfg_scale)
+        return math.cos(t) * x_t - math.sin(t) * self.sigma_d * F.float()
+
+    def sample_times(self, steps: int) -> list[float]:
+        if not (isinstance(steps, int) and steps >= 1):
+            raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
+        if steps == len(self.mid_t) + 1:
+            return [self.t_max, *self.mid_t]
+        return torch.linspace(self.t_max, 0.0, steps + 1)[:-1].tolist()
+
+    @torch.no_grad()
+    def sample(self, model, noise, y=None, *, steps: int, cfg_scale: float = 1.0, generator=None):
+        """x0 from noise ~ N(0, I) in `steps` consistency steps; `generator` drives the re-noising."""
+        check_cfg(model, y, cfg_scale)
+        times = self.sample_times(steps)
+        x0 = self.consistency_fn(model, self.sigma_d * noise.float(), times[0], y, cfg_scale)
+        for t in times[1:]:
+            eps = torch.randn(noise.shape, generator=generator, device=noise.device)
+            x_t = math.cos(t) * x0 + math.sin(t) * self.sigma_d * eps
+            x0 = self.consistency_fn(model, x_t, t, y, cfg_scale)
+        return x0

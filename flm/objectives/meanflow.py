@@ -1,0 +1,134 @@
+"""MeanFlow (Geng et al. 2025, arXiv 2505.13447): one-step generation from an average velocity.
+
+Path as flow matching (LinearPath): z_t = (1 - t) x + t eps, v = eps - x, t = 1 noise.
+The model u(z, r, t) is the average velocity over [r, t] (called model(z, t, r, y); the DiT embeds
+t and t - r, the paper's best choice). The MeanFlow identity (eq. 6) gives the target
+
+    u_tgt = v - (t - r) du/dt,   du/dt = JVP of u along (dz, dr, dt) = (v, 0, 1)   (eq. 8)
+
+with a stop-gradient on u_tgt; loss sg(w) ||u - sg(u_tgt)||^2 (sum over dims) with the adaptive weight
+w = 1 / (||u - u_tgt||^2 + c)^p (section 4.3). Sampling: z_r = z_t - (t - r) u(z_t, r, t) (eq. 12).
+
+Guidance in training (section 4.2, eqs. 13-19, off by default): v is replaced, in the target and in
+the JVP tangent, by v~ = omega v + kappa u(z_t, t, t | y) + (1 - omega - kappa) u(z_t, t, t | null),
+the two u's without gradient; samples whose label was dropped to the null class keep v~ = v.
+
+    from flm.objectives import MeanFlow
+    mf = MeanFlow(jvp_mode="dual")          # build the model with time_inputs=mf.time_inputs (2)
+    loss, metrics = mf.loss(model, x, y)
+    images = mf.sample(model, torch.randn_like(x), y, steps=1)
+"""
+
+import torch
+from torch import nn
+
+from flm.objectives.guidance import check_cfg, drop_labels, guided, null_labels, num_classes
+from flm.objectives.jvp import check_jvp_mode, jvp
+from flm.objectives.paths import LinearPath, bcast, check_probability, check_std, logit_normal, time_grid
+
+
+class MeanFlow(nn.Module):
+    """MeanFlow loss and its 1- or few-step sampler.
+
+    Args:
+        t_mean, t_std: logit-normal distribution of t and r (paper: -0.4, 1.0).
+        r_neq_t: fraction of samples with r != t (paper: 0.25); the others have r = t (plain FM).
+        adaptive_p, adaptive_c: adaptive weight 1 / (||err||^2 + c)^p (paper: p = 1.0, c = 1e-3);
+            p = 0 is the plain squared error.
+        cfg_omega, cfg_kappa: guidance in training (paper eq. 19); 1.0 and 0.0 turn it off.
+        label_dropout: probability of the null label (CFG training); classes read from the model.
+        jvp_mode: "dual" (one dual pass) or "two_pass" (no-grad JVP pass + gradient pass).
+
+    No parameters or state.
+    """
+
+    time_inputs = 2
+
+    def __init__(
+        self,
+        *,
+        t_mean: float = -0.4,
+        t_std: float = 1.0,
+        r_neq_t: float = 0.25,
+        adaptive_p: float = 1.0,
+        adaptive_c: float = 1e-3,
+        cfg_omega: float = 1.0,
+        cfg_kappa: float = 0.0,
+        label_dropout: float = 0.1,
+        jvp_mode: str = "dual",
+    ):
+        super().__init__()
+        check_std("t_std", t_std)
+        check_probability("r_neq_t", r_neq_t)
+        check_probability("label_dropout", label_dropout)
+        if adaptive_p < 0 or adaptive_c <= 0:
+            raise ValueError(f"adaptive weighting needs p >= 0 and c > 0, got p={adaptive_p!r}, c={adaptive_c!r}")
+        if not (cfg_omega > 0 and 0 <= cfg_kappa < 1):
+            raise ValueError(
+                f"guidance in training needs cfg_omega > 0 and 0 <= cfg_kappa < 1, got "
+                f"cfg_omega={cfg_omega!r}, cfg_kappa={cfg_kappa!r}; 1.0 and 0.0 turn it off"
+            )
+        self.t_mean, self.t_std, self.r_neq_t = t_mean, t_std, r_neq_t
+        self.adaptive_p, self.adaptive_c = adaptive_p, adaptive_c
+        self.cfg_omega, self.cfg_kappa = cfg_omega, cfg_kappa
+        self.label_dropout = label_dropout
+        self.jvp_mode = check_jvp_mode(jvp_mode)
+        self.path = LinearPath()
+
+    def sample_times(self, n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(t, r) with t >= r: two logit-normal draws sorted; a fraction 1 - r_neq_t gets r = t."""
+        a = logit_normal(n, self.t_mean, self.t_std, device=device)
+        b = logit_normal(n, self.t_mean, self.t_std, device=device)
+        t, r = torch.maximum(a, b), torch.minimum(a, b)
+        r = torch.where(torch.rand(n, device=device) < self.r_neq_t, r, t)
+        return t, r
+
+    @torch.no_grad()
+    def _guided_velocity(self, model, s, y, y_in):
+        """v~ of the paper's eq. 19 (guidance in training); y are the labels before dropout."""
+        if y is None or num_classes(model) == 0:
+            raise ValueError(
+                f"guidance in training (cfg_omega={self.cfg_omega}, cfg_kappa={self.cfg_kappa}) needs a "
+                "class-conditional model and labels; set cfg_omega=1.0 and cfg_kappa=0.0"
+            )
+        t = s.t
+        u_null = model(s.x_t, t, t, null_labels(model, y)).float()
+        v = self.cfg_omega * s.dx_t + (1 - self.cfg_omega - self.cfg_kappa) * u_null
+        if self.cfg_kappa:
+            v = v + self.cfg_kappa * model(s.x_t, t, t, y).float()
+        dropped = bcast(y_in == null_labels(model, y), v)
+        return torch.where(dropped, s.dx_t, v)
+
+    def loss(self, model, x, y=None, *, step: int = 0):
+        y_in = drop_labels(model, y, self.label_dropout)
+        t, r = self.sample_times(x.shape[0], x.device)
+        s = self.path.sample(x, torch.randn_like(x), t)
+        guided_training = self.cfg_omega != 1.0 or self.cfg_kappa != 0.0
+        v = self._guided_velocity(model, s, y, y_in) if guided_training else s.dx_t
+
+        # u and du/dt along (dz, dr, dt) = (v, 0, 1): r carries no tangent (eq. 8)
+        u, dudt = jvp(
+            lambda z, t_: model(z, t_, r, y_in), (s.x_t, t), (v.to(s.x_t.dtype), torch.ones_like(t)), mode=self.jvp_mode
+        )
+        u_tgt = (v - bcast(t - r, v) * dudt.float()).detach()
+        err = u.float() - u_tgt
+        sq = err.square().flatten(1).sum(1)  # ||u - u_tgt||^2 per sample
+        w = (sq.detach() + self.adaptive_c).pow(-self.adaptive_p)  # sg(adaptive weight)
+        loss = (w * sq).mean()
+        return loss, {"loss": loss.detach(), "mse": sq.detach().mean() / err[0].numel()}
+
+    @torch.no_grad()
+    def sample(self, model, noise, y=None, *, steps: int, cfg_scale: float = 1.0):
+        """z_r = z_t - (t - r) u(z_t, r, t) from t = 1 to 0 in `steps` uniform jumps (eq. 12).
+
+        cfg_scale != 1 doubles the evaluations; models trained with guidance in training are
+        meant for cfg_scale = 1.
+        """
+        check_cfg(model, y, cfg_scale)
+        ts = time_grid(steps, 1.0, 0.0, device=noise.device)
+        z = noise
+        for t, r in zip(ts[:-1], ts[1:]):
+            n = z.shape[0]
+            u = guided(model, z, t.expand(n), r.expand(n), y, cfg_scale).float()
+            z = z - (t - r) * u
+        return z
