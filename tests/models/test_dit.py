@@ -1,0 +1,117 @@
+"""DiT: shapes, init, bad input, and JVPs through the fused attention.
+
+    python -m pytest tests/models -q
+"""
+
+import copy
+
+import pytest
+import torch
+from torch.autograd import forward_ad
+
+from flm.models import MODEL_SIZES, build_model
+from tests.models.tiny import tiny_dit, with_backend
+
+
+def test_registry_has_the_paper_sizes():
+    for size in ("S", "B", "L", "XL"):
+        for patch in (2, 4, 8):
+            assert f"DiT-{size}/{patch}" in MODEL_SIZES
+    assert MODEL_SIZES["DiT-XL/2"] == (28, 1152, 16, 2)
+    for name in ("DiT-T/2", "DiT-T/4"):
+        _, hidden, heads, _ = MODEL_SIZES[name]
+        assert hidden // heads >= 16 and (hidden // heads) % 8 == 0
+
+
+@pytest.mark.parametrize("size,input_size,channels", [("DiT-T/2", 8, 3), ("DiT-T/4", 16, 4), ("DiT-T/2", 6, 1)])
+def test_output_shape_and_zero_init(size, input_size, channels):
+    model = build_model(size, input_size=input_size, in_channels=channels, num_classes=5, time_inputs=2)
+    x = torch.randn(3, channels, input_size, input_size)
+    out = model(x, torch.rand(3), torch.zeros(3), torch.tensor([0, 4, 5]))
+    assert out.shape == x.shape
+    assert torch.count_nonzero(out) == 0  # adaLN-Zero: the output layer starts at zero
+
+
+def test_conditioning_changes_the_output():
+    model = tiny_dit(time_inputs=2)
+    x, t = torch.randn(2, 3, 8, 8), torch.tensor([0.3, 0.7])
+    base = model(x, t, t, torch.tensor([1, 2]))
+    assert not torch.allclose(base, model(x, t, t * 0.5, torch.tensor([1, 2])))  # r matters
+    assert not torch.allclose(base, model(x, t, t, torch.tensor([3, 2])))  # y matters
+    assert not torch.allclose(base, model(x, t + 0.1, t + 0.1, torch.tensor([1, 2])))  # t matters
+    null = model(x, t, t, torch.tensor([10, 10]))
+    torch.testing.assert_close(model(x, t, t), null)  # y=None is the null class
+
+
+@pytest.mark.parametrize(
+    "build,call,match",
+    [
+        (dict(name="DiT-Q/2"), None, "unknown model size 'DiT-Q/2'; valid names: DiT-S/2"),
+        (dict(input_size=9), None, "input_size 9 is not divisible by the patch size 2"),
+        (dict(time_inputs=3), None, "time_inputs must be 1"),
+        (dict(), dict(y=torch.tensor([0, 11])), r"labels y must lie in \[0, 10\]"),
+        (dict(), dict(y=torch.tensor([-1, 0])), r"labels y must lie in \[0, 10\]"),
+        (dict(num_classes=0), dict(y=torch.tensor([0, 1])), "unconditional model; build it with num_classes > 0"),
+        (dict(), dict(x=torch.randn(2, 3, 16, 16)), r"expected \(B, 3, 8, 8\)"),
+        (dict(), dict(r=torch.zeros(2)), "drop r or build it with time_inputs=2"),
+        (dict(time_inputs=2), dict(), "pass r"),
+    ],
+)
+def test_bad_input(build, call, match):
+    kwargs = dict(name="DiT-T/2", input_size=8, in_channels=3, num_classes=10) | build
+    with pytest.raises(ValueError, match=match):
+        model = build_model(kwargs.pop("name"), **kwargs)
+        args = dict(x=torch.randn(2, 3, 8, 8), t=torch.rand(2)) | (call or {})
+        model(**args)
+
+
+# --------------------------------------------------------------------------------------------
+# JVPs: the fused attention (CPU interpreter, fp32) against torch.func.jvp over math attention
+# --------------------------------------------------------------------------------------------
+
+
+def _inputs(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x, tx = torch.randn(2, 3, 8, 8, generator=g), torch.randn(2, 3, 8, 8, generator=g)
+    t, r = torch.tensor([0.3, 0.8]), torch.tensor([0.1, 0.8])
+    return x, tx, t, r, torch.tensor([4, 10])
+
+
+def _func_jvp(model, x, tx, t, r, y):
+    return torch.func.jvp(lambda x_, t_: model(x_, t_, r, y), (x, t), (tx, torch.ones_like(t)))
+
+
+def test_dual_jvp_through_triton_matches_func_jvp_over_math():
+    model = tiny_dit(attention="triton_jvp", time_inputs=2)
+    reference = with_backend(copy.deepcopy(model), "math")
+    x, tx, t, r, y = _inputs()
+    out_ref, tout_ref = _func_jvp(reference, x, tx, t, r, y)
+    assert tout_ref.abs().mean() > 1e-2  # a tangent worth comparing
+    with forward_ad.dual_level():
+        out = model(forward_ad.make_dual(x, tx), forward_ad.make_dual(t, torch.ones_like(t)), r, y)
+        out, tout = forward_ad.unpack_dual(out)
+    assert tout.grad_fn is None and out.grad_fn is not None
+    torch.testing.assert_close(out, out_ref, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(tout, tout_ref, rtol=1e-4, atol=1e-5)
+    # and under torch.func.jvp the fused kernel's jvp rule gives the same tangent
+    _, tout_func = _func_jvp(model, x, tx, t, r, y)
+    torch.testing.assert_close(tout_func, tout_ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend,graph_free", [("triton_jvp", True), ("math", False)])
+def test_dual_pass_saves_no_tangents(backend, graph_free):
+    """No tensor saved for the backward carries a tangent, so the dual pass costs what a plain pass
+    costs (DESIGN.md); math attention does save some, which shows the check can fail."""
+    model = tiny_dit(attention=backend, size="DiT-T/4")
+    x, tx, t, _, y = _inputs()
+    saved_with_tangent = []
+
+    def pack(tensor):
+        saved_with_tangent.append(forward_ad.unpack_dual(tensor).tangent is not None)
+        return tensor
+
+    with forward_ad.dual_level(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(forward_ad.make_dual(x, tx), forward_ad.make_dual(t, torch.ones_like(t)), None, y)
+        tout = forward_ad.unpack_dual(out).tangent
+    assert saved_with_tangent and tout is not None
+    assert (not any(saved_with_tangent)) == graph_free
