@@ -1,0 +1,65 @@
+"""sCT on TrigFlow: loss at the exact consistency function, warm-up, adaptive weighting, sampler.
+
+    python -m pytest tests/objectives/test_consistency.py -q
+"""
+
+import pytest
+import torch
+
+from flm.objectives import SCM
+from tests.objectives.toys import PointMassTrigFlow
+
+A = 0.7
+
+
+def _data(n=64):
+    return torch.full((n, 1, 2, 2), A)
+
+
+@pytest.mark.parametrize("jvp_mode", ["dual", "two_pass"])
+@pytest.mark.parametrize("step", [0, 10])
+def test_loss_is_zero_at_the_exact_consistency_function(jvp_mode, step):
+    # df/dt = 0 along the flow: both terms of g vanish only with the right JVP tangents
+    torch.manual_seed(0)
+    loss, metrics = SCM(warmup_steps=10, jvp_mode=jvp_mode).loss(PointMassTrigFlow(A), _data(), step=step)
+    assert metrics["tangent_norm"] < 1e-4 and loss.abs() < 1e-9
+
+
+def test_loss_away_from_the_solution_and_warmup():
+    model = PointMassTrigFlow(A, offset=0.3)
+    objective = SCM(warmup_steps=10)
+    losses = []
+    for step in (0, 5, 10, 20):
+        torch.manual_seed(1)
+        losses.append(objective.loss(model, _data(), step=step)[1]["tangent_norm"])
+    assert losses[0] > 1e-2
+    assert losses[0] != losses[1] != losses[2]  # warm-up scales the dF/dt term in
+    torch.testing.assert_close(losses[2], losses[3])  # and stops at warmup_steps
+
+
+def test_normalised_tangent_and_adaptive_weighting():
+    """At F = F-, the loss is exp(-logvar) ||g / (||g|| + c)||^2 / D + logvar; logvar learns."""
+    objective = SCM(warmup_steps=0)
+    torch.manual_seed(2)
+    loss, metrics = objective.loss(PointMassTrigFlow(A, offset=0.3), _data(8))
+    norm = metrics["tangent_norm"]
+    assert metrics["mse"] < 1 / 4  # ||g_normalised||^2 / D < 1 / D
+    loss.backward()
+    grad = objective.logvar.linear.bias.grad
+    torch.testing.assert_close(grad, 1 - metrics["mse"].reshape(1), rtol=1e-5, atol=0)  # d/dlogvar at 0
+    assert norm > 0
+
+
+@pytest.mark.parametrize("steps", [1, 2, 4])
+def test_sampler_with_the_exact_consistency_function_lands_on_the_data(steps):
+    noise = torch.randn(16, 1, 2, 2)
+    x = SCM().sample(PointMassTrigFlow(A), noise, steps=steps)
+    torch.testing.assert_close(x, torch.full_like(x, A), rtol=0, atol=1e-4)
+    away = SCM().sample(PointMassTrigFlow(A, offset=0.3), noise, steps=steps)
+    assert (away - A).abs().max() > 1e-2
+
+
+def test_sample_times():
+    scm = SCM()
+    assert scm.sample_times(2) == [pytest.approx(1.56454, abs=1e-4), 1.1]
+    assert len(scm.sample_times(4)) == 4

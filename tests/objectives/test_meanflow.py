@@ -1,0 +1,78 @@
+"""MeanFlow: the loss at the exact average velocity, its target in closed form, the sampler.
+
+    python -m pytest tests/objectives/test_meanflow.py -q
+"""
+
+import pytest
+import torch
+
+from flm.objectives import MeanFlow
+from tests.objectives.toys import PointMassMeanFlow
+
+A = 0.7
+
+
+def _data(n=64):
+    return torch.full((n, 1, 2, 2), A)
+
+
+@pytest.mark.parametrize("jvp_mode", ["dual", "two_pass"])
+def test_loss_is_zero_at_the_exact_average_velocity(jvp_mode):
+    # du/dt = v / t - (z - a) / t^2 vanishes only if both tangents (v for z, 1 for t) are right
+    torch.manual_seed(0)
+    _, metrics = MeanFlow(r_neq_t=1.0, jvp_mode=jvp_mode).loss(PointMassMeanFlow(A), _data())
+    assert metrics["mse"] < 1e-10
+
+
+@pytest.mark.parametrize("jvp_mode", ["dual", "two_pass"])
+def test_target_away_from_the_solution(jvp_mode):
+    """u = (z - a)/t + c t: u - u_tgt = c (2t - r), so loss = D c^2 mean((2t - r)^2) with p = 0."""
+    c, x = 0.3, _data()
+    objective = MeanFlow(r_neq_t=0.5, adaptive_p=0.0, jvp_mode=jvp_mode)
+    torch.manual_seed(1)
+    loss, _ = objective.loss(PointMassMeanFlow(A, offset=c), x)
+    torch.manual_seed(1)
+    t, r = objective.sample_times(x.shape[0], x.device)
+    assert (r < t).any() and (r == t).any()
+    torch.testing.assert_close(loss, 4 * c**2 * ((2 * t - r) ** 2).mean(), rtol=1e-4, atol=0)
+
+
+def test_sample_times():
+    torch.manual_seed(0)
+    t, r = MeanFlow(r_neq_t=0.25).sample_times(20000, "cpu")
+    assert (t >= r).all() and 0 < r.min() and t.max() < 1
+    torch.testing.assert_close((r != t).float().mean(), torch.tensor(0.25), atol=0.02, rtol=0)
+
+
+def test_adaptive_weight_gradient():
+    """Gradient of sg(w) ||err||^2 is w * grad ||err||^2 with w = 1 / (||err||^2 + c)^p; the
+    gradient reaches u only (u_tgt has a stop-gradient): d err / d offset = t, not 2t - r."""
+    model, x = PointMassMeanFlow(A, offset=0.3), _data(8)
+    torch.manual_seed(2)
+    loss, metrics = MeanFlow(r_neq_t=1.0, adaptive_p=1.0).loss(model, x)
+    (g,) = torch.autograd.grad(loss, model.offset)
+    torch.manual_seed(2)
+    t, r = MeanFlow(r_neq_t=1.0).sample_times(8, "cpu")
+    sq = 4 * (0.3 * (2 * t - r)) ** 2  # ||err||^2 per sample
+    expected = (2 * 4 * 0.3 * (2 * t - r) * t / (sq + 1e-3)).mean()
+    torch.testing.assert_close(g, expected, rtol=1e-4, atol=0)
+    assert loss < 1.0  # sq / (sq + c) per sample
+
+
+@pytest.mark.parametrize("steps", [1, 2, 5])
+def test_sampler_with_the_exact_average_velocity_lands_on_the_data(steps):
+    noise = torch.randn(16, 1, 2, 2)
+    x = MeanFlow().sample(PointMassMeanFlow(A), noise, steps=steps)
+    torch.testing.assert_close(x, torch.full_like(x, A))
+    away = MeanFlow().sample(PointMassMeanFlow(A, offset=0.3), noise, steps=steps)
+    assert (away - A).abs().min() > 1e-3
+
+
+def test_guidance_in_training_keeps_the_exact_solution():
+    """With point-mass data the null-class u is the exact v too, so v~ = v and the loss stays ~0
+    for any omega, kappa (a wrong mix of v and u would not)."""
+    model = PointMassMeanFlow(A)
+    model.num_classes = 3
+    torch.manual_seed(3)
+    _, metrics = MeanFlow(r_neq_t=1.0, cfg_omega=2.0, cfg_kappa=0.5).loss(model, _data(), torch.randint(0, 3, (64,)))
+    assert metrics["mse"] < 1e-10
