@@ -140,17 +140,14 @@ class _LayerNorm(torch.autograd.Function):
     def jvp(ctx, tx, tweight, tbias, _):
         x, mean, rstd, weight = ctx.saved_tensors
         with torch.no_grad():
-            out = None
-            if tx is not None:
-                out = _ln_vjp(tx, x, mean, rstd)
-                if weight is not None:
-                    out = out * weight
+            # ty = (dx_hat/dx) tx * weight + x_hat * tweight + tbias, in few kernels
+            out = torch.zeros((), dtype=ctx.out_dtype, device=x.device) if tbias is None else tbias
             if tweight is not None:
-                term = (x - mean) * rstd * tweight
-                out = term if out is None else out + term
-            if tbias is not None:
-                out = tbias.expand_as(x) if out is None else out + tbias
-            return out.to(ctx.out_dtype).contiguous(), None, None
+                out = torch.addcmul(out, (x - mean) * rstd, tweight)
+            if tx is not None:
+                jx = _ln_vjp(tx, x, mean, rstd)
+                out = jx + out if weight is None else torch.addcmul(out, jx, weight)
+            return out.to(ctx.out_dtype).expand(x.shape).contiguous(), None, None
 
     @staticmethod
     def backward(ctx, gy, _gmean, _grstd):

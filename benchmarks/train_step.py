@@ -1,0 +1,181 @@
+"""Training-step cost of flow matching, MeanFlow and sCM on a DiT: time and peak memory.
+
+One step = objective.loss (forward, with the JVP for MeanFlow / sCM) + backward + AdamW step, bf16
+autocast, class-conditional (1000 classes), 4 latent channels, image side = patch * sqrt(tokens),
+batch = --batch-tokens / tokens. Every model uses the flm.nn layers. Flow-matching rows run the
+row's attention backend on plain tensors (triton_jvp: its Triton FlashAttention forward + FA2
+backward; math: eager). One extra flow-matching row per model/tokens uses PyTorch SDPA (`sdpa`), the
+fastest plain baseline. Ratios: to the flow-matching step of the same model/tokens/backend, and to
+the SDPA flow-matching step. Median of --iters timed steps after --warmup steps (Triton autotuning
+happens in the warm-up). A row that runs out of memory prints OOM.
+
+    PYTHONPATH=. python benchmarks/train_step.py                                    # full table (H200)
+    PYTHONPATH=. python benchmarks/train_step.py --models DiT-B/2 --tokens 1024,4096 --backends triton_jvp
+    PYTHONPATH=. python benchmarks/train_step.py --objectives flow_matching,meanflow --modes dual --out docs/x.md
+    PYTHONPATH=. python benchmarks/train_step.py --tiny                             # CPU smoke check
+"""
+
+import argparse
+import gc
+import math
+import os
+import statistics
+import time
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton kernels on the CPU (before triton loads)
+
+from flm.models import build_model  # noqa: E402
+from flm.objectives import build_objective  # noqa: E402
+
+JVP_OBJECTIVES = ("meanflow", "scm")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    csv = lambda s: [x for x in s.split(",") if x]  # noqa: E731
+    p.add_argument("--models", type=csv, default=["DiT-B/2", "DiT-XL/2"])
+    p.add_argument("--tokens", type=lambda s: [int(x) for x in csv(s)], default=[256, 1024, 4096])
+    p.add_argument("--objectives", type=csv, default=["flow_matching", "meanflow", "scm"])
+    p.add_argument("--backends", type=csv, default=["triton_jvp", "math"], help="attention backends")
+    p.add_argument("--modes", type=csv, default=["dual", "two_pass"], help="JVP modes (MeanFlow, sCM)")
+    p.add_argument("--no-sdpa-baseline", action="store_true", help="skip the SDPA flow-matching row")
+    p.add_argument("--batch-tokens", type=int, default=16384, help="tokens * batch per step")
+    p.add_argument("--channels", type=int, default=4)
+    p.add_argument("--num-classes", type=int, default=1000)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--out", default=None, help="also write the table (Markdown) to this file")
+    p.add_argument("--tiny", action="store_true", help="CPU smoke check: DiT-T/2, 16 tokens, fp32, 2 steps")
+    args = p.parse_args(argv)
+    if args.tiny:
+        args.models, args.tokens, args.batch_tokens, args.num_classes = ["DiT-T/2"], [16], 32, 10
+        args.iters, args.warmup = 2, 1
+    return args
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _is_oom(err: Exception) -> bool:
+    return isinstance(err, torch.cuda.OutOfMemoryError) or "out of memory" in str(err).lower()
+
+
+def measure(model_name, tokens, objective_name, backend, mode, args, device, dtype):
+    """(ms per step, peak GiB) of one configuration; raises on OOM."""
+    from flm.models import MODEL_SIZES
+
+    patch = MODEL_SIZES[model_name][3]
+    side = patch * math.isqrt(tokens)
+    if side * side != patch * patch * tokens:
+        raise ValueError(f"tokens {tokens} is not a square number; use e.g. 256, 1024, 4096")
+    batch = max(1, args.batch_tokens // tokens)
+    kwargs = {"jvp_mode": mode} if objective_name in JVP_OBJECTIVES else {}
+    objective = build_objective(objective_name, **kwargs).to(device)
+    with torch.device(device):
+        model = build_model(
+            model_name, input_size=side, in_channels=args.channels, num_classes=args.num_classes,
+            time_inputs=objective.time_inputs, attention=backend,
+        )
+    params = list(model.parameters()) + list(objective.parameters())
+    opt = torch.optim.AdamW(params, lr=1e-4, fused=device.type == "cuda")
+    g = torch.Generator(device).manual_seed(0)
+    x = torch.randn(batch, args.channels, side, side, device=device, generator=g)
+    y = torch.randint(0, args.num_classes, (batch,), device=device, generator=g)
+    autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+
+    def step(i):
+        with autocast:
+            loss, _ = objective.loss(model, x, y, step=10**6 + i)  # past sCM's tangent warm-up
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for i in range(args.warmup):
+        step(i)
+    _sync(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    times = []
+    for i in range(args.iters):
+        t0 = time.perf_counter()
+        step(i)
+        _sync(device)
+        times.append(1e3 * (time.perf_counter() - t0))
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
+    return statistics.median(times), peak, batch
+
+
+def rows_to_run(args):
+    """(model, tokens, objective, backend, mode) in table order; flow matching first in each group."""
+    for model_name in args.models:
+        for tokens in args.tokens:
+            if "flow_matching" in args.objectives and not args.no_sdpa_baseline:
+                yield model_name, tokens, "flow_matching", "sdpa", "-"
+            for backend in args.backends:
+                for objective in args.objectives:
+                    for mode in args.modes if objective in JVP_OBJECTIVES else ["-"]:
+                        yield model_name, tokens, objective, backend, mode
+
+
+def _ratio(a, b):
+    return "-" if a is None or b is None or not (b > 0) or math.isnan(a) else f"{a / b:.2f}x"
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.float32 if args.tiny or device.type == "cpu" else torch.bfloat16
+    import triton
+
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (Triton interpreter)"
+    header = [
+        f"# Training step: {gpu}, torch {torch.__version__}, triton {triton.__version__}, {str(dtype).split('.')[1]} "
+        f"autocast, {args.channels} channels, {args.num_classes} classes, tokens x batch = {args.batch_tokens}, "
+        f"AdamW, median of {args.iters} steps after {args.warmup}",
+        "",
+        "Flow-matching rows run the row's backend on plain tensors (triton_jvp: Triton FlashAttention forward "
+        "+ FA2 backward); `sdpa` is PyTorch SDPA. Ratios: to flow matching with the same backend, and to "
+        "flow matching with SDPA.",
+        "",
+        "| model | tokens x batch | objective | attention | JVP mode | ms / step | peak GiB | time / FM | mem / FM | time / FM sdpa | mem / FM sdpa |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    print("\n".join(header), flush=True)
+    lines, fm = list(header), {}
+    for model_name, tokens, objective, backend, mode in rows_to_run(args):
+        try:
+            ms, peak, batch = measure(model_name, tokens, objective, backend, mode, args, device, dtype)
+        except Exception as err:  # noqa: BLE001 - OOM (and only OOM) becomes a table entry
+            if not _is_oom(err):
+                raise
+            ms = peak = None
+            batch = max(1, args.batch_tokens // tokens)
+        finally:
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        if objective == "flow_matching":
+            fm[model_name, tokens, backend] = (ms, peak)
+        base = fm.get((model_name, tokens, backend), (None, None))
+        sdpa = fm.get((model_name, tokens, "sdpa"), (None, None))
+        cells = [
+            model_name, f"{tokens} x {batch}", objective, backend, mode,
+            "OOM" if ms is None else f"{ms:.1f}", "OOM" if peak is None else f"{peak:.2f}",
+            _ratio(ms, base[0]), _ratio(peak, base[1]), _ratio(ms, sdpa[0]), _ratio(peak, sdpa[1]),
+        ]
+        line = "| " + " | ".join(cells) + " |"
+        print(line, flush=True)
+        lines.append(line)
+    if args.out:
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        with open(args.out, "w") as f:
+            f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
