@@ -39,6 +39,8 @@ def progress_line(step: int, max_steps: int, metrics: dict, elapsed: float, eta:
     parts = [f"step {step}/{max_steps} [{'#' * filled}{'.' * (width - filled)}] {100 * step / max(max_steps, 1):3.0f}%"]
     if "loss" in metrics:
         parts.append(f"loss {metrics['loss']:.4f}")
+    if "mse" in metrics:
+        parts.append(f"mse {metrics['mse']:.4f}")
     if "images_per_s" in metrics:
         parts.append(f"{metrics['images_per_s']:.0f} img/s")
     if "step_ms" in metrics:

@@ -81,10 +81,12 @@ def backward_impl(q: Tensor) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("flm::attention_fwd", mutates_args=())
-def _fwd_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+def _fwd_impl(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
     o, _, lse = attention_fwd(q, k, v, causal=causal, scale=scale)
     return o, lse
+
+
+_fwd_op = torch.library.custom_op("flm::attention_fwd", _fwd_impl, mutates_args=())
 
 
 @_fwd_op.register_fake
@@ -92,11 +94,13 @@ def _(q, k, v, causal, scale):
     return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
-@torch.library.custom_op("flm::attention_jvp_fwd", mutates_args=())
-def _jvp_fwd_op(
+def _jvp_fwd_impl(
     q: Tensor, k: Tensor, v: Tensor, tq: Tensor, tk: Tensor, tv: Tensor, causal: bool, scale: float
 ) -> tuple[Tensor, Tensor, Tensor]:
     return attention_fwd(q, k, v, tq, tk, tv, causal=causal, scale=scale)
+
+
+_jvp_fwd_op = torch.library.custom_op("flm::attention_jvp_fwd", _jvp_fwd_impl, mutates_args=())
 
 
 @_jvp_fwd_op.register_fake
@@ -104,8 +108,7 @@ def _(q, k, v, tq, tk, tv, causal, scale):
     return q.new_empty(q.shape), q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
-@torch.library.custom_op("flm::attention_bwd", mutates_args=())
-def _bwd_op(
+def _bwd_impl(
     do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, causal: bool, scale: float
 ) -> tuple[Tensor, Tensor, Tensor]:
     impl = backward_impl(q)
@@ -120,6 +123,9 @@ def _bwd_op(
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 
+_bwd_op = torch.library.custom_op("flm::attention_bwd", _bwd_impl, mutates_args=())
+
+
 @_bwd_op.register_fake
 def _(do, q, k, v, o, lse, causal, scale):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
@@ -128,6 +134,11 @@ def _(do, q, k, v, o, lse, causal, scale):
 @functools.cache
 def _warn_flash_attn_signature(err: Exception) -> None:
     warnings.warn(f"flash_attn's backward did not accept flm's call ({err}); using PyTorch's FlashAttention-2 backward")
+
+
+def _op(op, impl):
+    """The custom op while torch.compile traces; its Python body in eager mode (no dispatcher overhead)."""
+    return op if torch.compiler.is_compiling() else impl
 
 
 # ---------------------------------------------------------------------------------------------
@@ -144,7 +155,7 @@ class _Attention(torch.autograd.Function):
 
     @staticmethod
     def forward(q, k, v, causal, scale):
-        return _fwd_op(q, k, v, causal, scale)
+        return _op(_fwd_op, _fwd_impl)(q, k, v, causal, scale)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -157,7 +168,7 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, _dlse):
         q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = _bwd_op(do.contiguous(), q, k, v, o, lse, ctx.causal, ctx.scale)
+        dq, dk, dv = _op(_bwd_op, _bwd_impl)(do.contiguous(), q, k, v, o, lse, ctx.causal, ctx.scale)
         return dq, dk, dv, None, None
 
 
@@ -177,7 +188,7 @@ class _AttentionWithJVP(_Attention):
         q, k, v = ctx.saved_tensors
         tq, tk, tv = (_zeros_if_none(t, x) for t, x in zip((tq, tk, tv), (q, k, v)))
         with torch.no_grad():
-            _, to, _ = _jvp_fwd_op(q, k, v, tq, tk, tv, ctx.causal, ctx.scale)
+            _, to, _ = _op(_jvp_fwd_op, _jvp_fwd_impl)(q, k, v, tq, tk, tv, ctx.causal, ctx.scale)
         return to, None
 
 
@@ -186,7 +197,7 @@ class _JVPAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(q, k, v, tq, tk, tv, causal, scale):
-        return _jvp_fwd_op(q, k, v, tq, tk, tv, causal, scale)
+        return _op(_jvp_fwd_op, _jvp_fwd_impl)(q, k, v, tq, tk, tv, causal, scale)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -199,7 +210,7 @@ class _JVPAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, _dto, _dlse):
         q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = _bwd_op(do.contiguous(), q, k, v, o, lse, ctx.causal, ctx.scale)
+        dq, dk, dv = _op(_bwd_op, _bwd_impl)(do.contiguous(), q, k, v, o, lse, ctx.causal, ctx.scale)
         return dq, dk, dv, None, None, None, None, None
 
 

@@ -30,6 +30,12 @@ LN2 = 0.6931471805599453
 
 
 @triton.jit
+def _rows(ptr, off_b, off_h, stride_b, stride_h):
+    """Pointer to row 0 of head (off_b, off_h); the offset is a multiple of 8 elements."""
+    return ptr + tl.multiple_of(off_b * stride_b + off_h * stride_h, 8)
+
+
+@triton.jit
 def _fwd_inner(
     acc, acc_a, acc_b, l_i, m_i, r_i,
     q, tq, k_ptrs, v_ptrs, tk_ptrs, tv_ptrs,
@@ -99,13 +105,13 @@ def _fwd_inner(
 @triton.jit
 def _fwd_kernel(
     Q, K, V, TQ, TK, TV, O, TO, LSE,
-    stride_qb, stride_qh, stride_qm, stride_qd,
-    stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_tqb, stride_tqh, stride_tqm, stride_tqd,
-    stride_tkb, stride_tkh, stride_tkn, stride_tkd,
-    stride_tvb, stride_tvh, stride_tvn, stride_tvd,
-    stride_ob, stride_oh, stride_om, stride_od,
+    stride_qb, stride_qh, stride_qm,  # head dim has unit stride (the wrapper ensures it)
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_tqb, stride_tqh, stride_tqm,
+    stride_tkb, stride_tkh, stride_tkn,
+    stride_tvb, stride_tvh, stride_tvn,
+    stride_ob, stride_oh, stride_om,
     H, LQ, LKV, scale,
     LQ_BUCKET, LKV_BUCKET,  # autotune key only: tuned configs are shared by lengths in one bucket
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -120,14 +126,20 @@ def _fwd_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     q_mask = (offs_m[:, None] < LQ) & (offs_d[None, :] < HEAD_DIM)
 
-    q_ptrs = Q + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd
-    k_ptrs = K + off_b * stride_kb + off_h * stride_kh + offs_d[:, None] * stride_kd + offs_n[None, :] * stride_kn
-    v_ptrs = V + off_b * stride_vb + off_h * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
+    # every row starts 16-byte aligned (strides are multiples of 8 elements): lets loads vectorise
+    # for head dims such as 72 whose strides Triton cannot prove divisible by 16 on its own
+    stride_kn = tl.multiple_of(stride_kn, 8)
+    stride_vn = tl.multiple_of(stride_vn, 8)
+    q_ptrs = _rows(Q, off_b, off_h, stride_qb, stride_qh) + offs_m[:, None] * tl.multiple_of(stride_qm, 8) + offs_d[None, :]
+    k_ptrs = _rows(K, off_b, off_h, stride_kb, stride_kh) + offs_d[:, None] + offs_n[None, :] * stride_kn
+    v_ptrs = _rows(V, off_b, off_h, stride_vb, stride_vh) + offs_n[:, None] * stride_vn + offs_d[None, :]
     q = tl.load(q_ptrs, mask=q_mask, other=0.0)
     if HAS_TANGENT:
-        tq_ptrs = TQ + off_b * stride_tqb + off_h * stride_tqh + offs_m[:, None] * stride_tqm + offs_d[None, :] * stride_tqd
-        tk_ptrs = TK + off_b * stride_tkb + off_h * stride_tkh + offs_d[:, None] * stride_tkd + offs_n[None, :] * stride_tkn
-        tv_ptrs = TV + off_b * stride_tvb + off_h * stride_tvh + offs_n[:, None] * stride_tvn + offs_d[None, :] * stride_tvd
+        stride_tkn = tl.multiple_of(stride_tkn, 8)
+        stride_tvn = tl.multiple_of(stride_tvn, 8)
+        tq_ptrs = _rows(TQ, off_b, off_h, stride_tqb, stride_tqh) + offs_m[:, None] * tl.multiple_of(stride_tqm, 8) + offs_d[None, :]
+        tk_ptrs = _rows(TK, off_b, off_h, stride_tkb, stride_tkh) + offs_d[:, None] + offs_n[None, :] * stride_tkn
+        tv_ptrs = _rows(TV, off_b, off_h, stride_tvb, stride_tvh) + offs_n[:, None] * stride_tvn + offs_d[None, :]
         tq = tl.load(tq_ptrs, mask=q_mask, other=0.0)
     else:
         tq = q
@@ -164,7 +176,7 @@ def _fwd_kernel(
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     o = acc / l_safe[:, None]
-    o_off = off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od
+    o_off = tl.multiple_of(off_b * stride_ob + off_h * stride_oh, 8) + offs_m[:, None] * stride_om + offs_d[None, :]
     tl.store(O + o_off, o.to(O.dtype.element_ty), mask=q_mask)
     if HAS_TANGENT:
         to = (acc_a + acc_b - r_i[:, None] * o) / l_safe[:, None]
@@ -178,26 +190,24 @@ def _fwd_kernel(
 # ---------------------------------------------------------------------------------------------
 
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages); BLOCK_M is a multiple of BLOCK_N (causal loop split)
-_CONFIGS = [
-    (128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 8, 3), (128, 128, 8, 2),
-    (64, 64, 4, 3), (64, 32, 4, 3), (64, 64, 8, 2), (64, 32, 8, 3),
-]
+# Candidates by padded head dim, (BLOCK_M, BLOCK_N, num_warps, num_stages); few, so that a new
+# shape tunes in seconds. BLOCK_M is a multiple of BLOCK_N (the causal loop split relies on it).
+_CANDIDATES = {
+    64: [(128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2), (128, 64, 4, 3), (64, 32, 4, 4)],
+    128: [(128, 64, 8, 2), (64, 64, 8, 2), (128, 32, 8, 3), (64, 64, 4, 3), (128, 64, 8, 3)],
+    256: [(64, 32, 8, 2), (64, 64, 8, 2), (64, 32, 4, 2)],
+}
+_ALL = sorted({c for cs in _CANDIDATES.values() for c in cs})
 
 
 def _prune(configs, named_args, **meta):
-    """Keep configs whose fp32 accumulators fit in ~128 registers a thread (three tiles with a tangent)."""
-    n_acc = 3 if meta["HAS_TANGENT"] else 1
-
-    def regs(c):
-        return n_acc * c.kwargs["BLOCK_M"] * meta["BLOCK_D"] / (32 * c.num_warps)
-
-    fits = [c for c in configs if regs(c) <= 128]
-    return fits or sorted(configs, key=regs)[:2]
+    """The candidates for this head dim (head dims up to 64 share one list)."""
+    wanted = _CANDIDATES[max(64, meta["BLOCK_D"])]
+    return [c for c in configs if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in wanted]
 
 
 _fwd_tuned = triton.autotune(
-    configs=[triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in _CONFIGS],
+    configs=[triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in _ALL],
     key=["LQ_BUCKET", "LKV_BUCKET", "HEAD_DIM", "HAS_TANGENT", "CAUSAL", "PRECISION"],
     prune_configs_by={"early_config_prune": _prune},
     cache_results=True,
@@ -224,12 +234,21 @@ def check_head_dim(head_dim: int) -> None:
         )
 
 
+def _aligned(x: torch.Tensor) -> torch.Tensor:
+    """x itself when the kernel's layout assumptions hold (unit head-dim stride, every other stride a
+    multiple of 8 elements); a contiguous copy otherwise (say, a view that slices the head dim)."""
+    if x.stride(-1) == 1 and all(st % 8 == 0 or n == 1 for st, n in zip(x.stride()[:3], x.shape[:3])):
+        return x
+    return x.contiguous()
+
+
 def attention_fwd(q, k, v, tq=None, tk=None, tv=None, *, causal: bool, scale: float):
     """(o, to, lse) for q (B, H, Lq, D), k/v (B, H, Lkv, D); to is None without tangents.
 
     Inputs are assumed checked (flm.attention.inputs); lse is (B, H, Lq) fp32 in natural log.
     """
     check_head_dim(q.shape[-1])
+    q, k, v = (_aligned(x) for x in (q, k, v))
     b, h, lq, d = q.shape
     lkv = k.shape[2]
     has_tangent = tq is not None
@@ -241,10 +260,10 @@ def attention_fwd(q, k, v, tq=None, tk=None, tv=None, *, causal: bool, scale: fl
         if has_tangent:
             to.zero_()
         return o, to, lse.fill_(float("-inf"))
-    tq_, tk_, tv_ = (tq, tk, tv) if has_tangent else (q, k, v)
+    tq_, tk_, tv_ = (_aligned(x) for x in (tq, tk, tv)) if has_tangent else (q, k, v)
     args = [
         q, k, v, tq_, tk_, tv_, o, to if has_tangent else o, lse,
-        *q.stride(), *k.stride(), *v.stride(), *tq_.stride(), *tk_.stride(), *tv_.stride(), *o.stride(),
+        *(st for x in (q, k, v, tq_, tk_, tv_, o) for st in x.stride()[:3]),
         h, lq, lkv, scale, triton.next_power_of_2(lq), triton.next_power_of_2(lkv),
     ]
     meta = dict(

@@ -93,7 +93,7 @@ def check_attention(name: str, device: torch.device, dtype: torch.dtype | None) 
         return
     from flm.attention import get_attention
 
-    probe = torch.zeros(1, 1, 16, 16, device=device, dtype=dtype or torch.float32)
+    probe = torch.zeros(1, 1, 16, 64, device=device, dtype=dtype or torch.float32)
     get_attention(name).check_available(probe)
 
 
@@ -303,6 +303,7 @@ def train(*, run_dir: str, model_fn, objective, data: DataConfig, optim: OptimCo
                 now = time.perf_counter()
                 seconds = now - window_t
                 metrics = {
+                    **{k: float(v) for k, v in extra.items()},  # the objective's, of the last step
                     "loss": dist.all_mean(torch.tensor(loss_sum / window_steps, device=device)).item(),
                     "grad_norm": grad_norm.item(),
                     "lr": sched.get_last_lr()[0],
@@ -310,7 +311,6 @@ def train(*, run_dir: str, model_fn, objective, data: DataConfig, optim: OptimCo
                     "step_ms": 1000 * seconds / window_steps,
                     "nonfinite_steps": skipped_total,
                     "epoch": loader.epoch,
-                    **{k: float(v) for k, v in extra.items()},
                 }
                 if device.type == "cuda":
                     metrics["gpu_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
