@@ -10,7 +10,7 @@ import torch
 from torch.autograd import forward_ad
 
 from flm.models import MODEL_SIZES, build_model
-from tests.models.tiny import tiny_dit, with_backend
+from tests.models.tiny import plain_layers, tiny_dit, with_backend
 
 
 def test_registry_has_the_paper_sizes():
@@ -85,7 +85,8 @@ def test_dual_jvp_through_triton_matches_func_jvp_over_math():
     model = tiny_dit(attention="triton_jvp", time_inputs=2)
     reference = with_backend(copy.deepcopy(model), "math")
     x, tx, t, r, y = _inputs()
-    out_ref, tout_ref = _func_jvp(reference, x, tx, t, r, y)
+    with plain_layers():  # reference: plain PyTorch ops and math attention, no custom rule at all
+        out_ref, tout_ref = _func_jvp(reference, x, tx, t, r, y)
     assert tout_ref.abs().mean() > 1e-2  # a tangent worth comparing
     with forward_ad.dual_level():
         out = model(forward_ad.make_dual(x, tx), forward_ad.make_dual(t, torch.ones_like(t)), r, y)

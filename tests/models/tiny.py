@@ -1,7 +1,11 @@
 """A tiny DiT with random weights everywhere (DiT's zero init would hide most of the network)."""
 
-import torch
+import contextlib
 
+import torch
+import torch.nn.functional as F
+
+from flm import nn as fnn
 from flm.models import build_model
 
 
@@ -22,3 +26,29 @@ def with_backend(model, backend: str):
     for block in model.blocks:
         block.attn.backend = backend
     return model
+
+
+@contextlib.contextmanager
+def plain_layers():
+    """Swap flm.nn's layers for the plain PyTorch ops they stand for: a reference that shares no
+    JVP or backward rule with flm.nn (the DiT looks them up in flm.nn at call time)."""
+
+    def layer_norm(x, weight=None, bias=None, eps=1e-6):
+        y = F.layer_norm(x, (x.shape[-1],), eps=eps)
+        return (y if weight is None else y * weight) + (0 if bias is None else bias)
+
+    plain = {
+        "linear": F.linear,
+        "layer_norm": layer_norm,
+        "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+        "silu": F.silu,
+        "gated_residual": lambda x, gate, h: x + gate * h,
+    }
+    saved = {name: getattr(fnn, name) for name in plain}
+    for name, fn in plain.items():
+        setattr(fnn, name, fn)
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(fnn, name, fn)

@@ -1,27 +1,30 @@
 """One training step of a tiny DiT: the same loss and gradients in both JVP modes and with the
-fused attention (CPU interpreter, fp32) as with math attention.
+fused attention (CPU interpreter, fp32) as a reference made of plain PyTorch ops (no flm.nn rule)
+with math attention.
 
     python -m pytest tests/objectives/test_jvp_modes.py -q
 """
 
+import contextlib
 import copy
 
 import pytest
 import torch
 
 from flm.objectives import build_objective
-from tests.models.tiny import tiny_dit, with_backend
+from tests.models.tiny import plain_layers, tiny_dit, with_backend
 
-SETUPS = [("math", "dual"), ("triton_jvp", "dual"), ("triton_jvp", "two_pass")]
+SETUPS = [("math", "dual"), ("math", "two_pass"), ("triton_jvp", "dual"), ("triton_jvp", "two_pass")]
 
 
-def _step(objective_name, model, backend, jvp_mode):
+def _step(objective_name, model, backend, jvp_mode, plain=False):
     objective = build_objective(objective_name, jvp_mode=jvp_mode, **({"warmup_steps": 4} if objective_name == "scm" else {}))
     model = with_backend(copy.deepcopy(model), backend)
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(4, 3, 8, 8, generator=g), torch.tensor([0, 3, 7, 9])
     torch.manual_seed(1)  # same t, r, noise and label dropout for every setup
-    loss, _ = objective.loss(model, x, y, step=2)
+    with plain_layers() if plain else contextlib.nullcontext():
+        loss, _ = objective.loss(model, x, y, step=2)
     params = list(model.parameters()) + list(objective.parameters())
     return loss.detach(), torch.autograd.grad(loss, params, allow_unused=True)
 
@@ -29,7 +32,7 @@ def _step(objective_name, model, backend, jvp_mode):
 @pytest.mark.parametrize("objective_name", ["meanflow", "scm"])
 def test_gradients_agree_across_modes_and_backends(objective_name):
     model = tiny_dit(time_inputs=2 if objective_name == "meanflow" else 1)
-    loss_ref, grads_ref = _step(objective_name, model, "math", "two_pass")
+    loss_ref, grads_ref = _step(objective_name, model, "math", "two_pass", plain=True)
     assert sum(g.norm() for g in grads_ref if g is not None) > 1e-2
     for backend, mode in SETUPS:
         loss, grads = _step(objective_name, model, backend, mode)
