@@ -165,7 +165,7 @@ def main(argv=None):
         sdpa = fm.get((model_name, tokens, "sdpa"), (None, None))
         cells = [
             model_name, f"{tokens} x {batch}", objective, backend, mode,
-            "OOM" if ms is None else f"{ms:.1f}", "OOM" if peak is None else f"{peak:.2f}",
+            "OOM" if ms is None else f"{ms:.1f}", "OOM" if peak is None else ("n/a" if math.isnan(peak) else f"{peak:.2f}"),
             _ratio(ms, base[0]), _ratio(peak, base[1]), _ratio(ms, sdpa[0]), _ratio(peak, sdpa[1]),
         ]
         line = "| " + " | ".join(cells) + " |"
