@@ -59,13 +59,14 @@ class RunLogger:
         self.wandb = None
         if not self.active:
             return
-        os.makedirs(run_dir, exist_ok=True)
-        self.file = open(os.path.join(run_dir, "metrics.jsonl"), "a")
         if config.wandb:
             try:
                 import wandb
             except ImportError:
                 raise ImportError("logger=wandb needs the wandb package: pip install wandb (or use logger=none)") from None
+        os.makedirs(run_dir, exist_ok=True)
+        self.file = open(os.path.join(run_dir, "metrics.jsonl"), "a")
+        if config.wandb:
             self.wandb = wandb.init(project=config.project, name=config.name, mode=config.mode,
                                     dir=run_dir, config=run_config, resume="allow")
 

@@ -179,6 +179,7 @@ def train(*, run_dir: str, model_fn, objective, data: DataConfig, optim: OptimCo
     """
     device = dist.init(trainer.device)
     rank, world = dist.rank(), dist.world_size()
+    run_dir = dist.broadcast_object(run_dir)  # ranks may have resolved ${now:...} a second apart
     micro_batch = local_batch_size(trainer.batch_size, trainer.grad_accum, world)
     dtype = amp_dtype(trainer.precision, device)
     check_attention(attention, device, dtype)

@@ -1,0 +1,119 @@
+"""The training loop on the CPU: every objective trains, a resumed run is bit-exact, checkpoints
+sample, non-finite losses are handled on purpose."""
+
+import json
+
+import pytest
+import torch
+
+from flm.train import checkpoint
+from flm.train.sampling import class_labels, generate
+
+
+def read_metrics(run_dir):
+    return [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+
+
+@pytest.mark.parametrize("objective", ["flow_matching", "meanflow", "scm"])
+def test_a_few_steps_of_each_objective(tmp_path, train_run, objective):
+    train_run(tmp_path, [f"objective={objective}"])
+    assert [p.split("/")[-1] for p in checkpoint.list_checkpoints(str(tmp_path))] == ["ckpt-00000004.pt"]
+    assert (tmp_path / "samples" / "step-00000004.png").is_file()
+    metrics = read_metrics(tmp_path)
+    assert [m["step"] for m in metrics] == [2, 4]
+    assert all(torch.isfinite(torch.tensor(m["loss"])) for m in metrics)
+
+
+def assert_same_state(a, b, path=""):
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), f"{path} differs"
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), path
+        for k in a:
+            assert_same_state(a[k], b[k], f"{path}/{k}")
+    elif isinstance(a, (list, tuple)):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_same_state(x, y, f"{path}/{i}")
+    else:
+        assert a == b, f"{path}: {a} != {b}"
+
+
+def test_stop_and_resume_is_bit_exact(tmp_path, train_run):
+    # sCM: trainable objective parameters and a step-dependent tangent warm-up; two EMAs; accumulation
+    common = ["objective=scm", "objective.warmup_steps=4", "trainer.ema_decays=[0.5,0.9]", "trainer.grad_accum=2",
+              "optim.warmup_steps=3", "trainer.ckpt_every=3", "trainer.keep_last=1"]
+    train_run(tmp_path / "whole", common + ["trainer.max_steps=6"])
+    train_run(tmp_path / "split", common + ["trainer.max_steps=3"])
+    train_run(tmp_path / "split", common + ["trainer.max_steps=6", "trainer.resume=auto"])
+    whole = checkpoint.load(str(tmp_path / "whole" / "checkpoints" / "ckpt-00000006.pt"))
+    split = checkpoint.load(str(tmp_path / "split" / "checkpoints" / "ckpt-00000006.pt"))
+    assert len(checkpoint.list_checkpoints(str(tmp_path / "split"))) == 1  # keep_last
+    for key in ("model", "ema", "optimizer", "scheduler", "objective", "data", "rng", "nonfinite", "step"):
+        assert_same_state(whole[key], split[key], key)
+    assert read_metrics(tmp_path / "whole")[-1]["loss"] == read_metrics(tmp_path / "split")[-1]["loss"]  # steps 5-6
+
+
+def test_sampling_does_not_depend_on_batch_size(tmp_path, train_run, cfg_of, sample_entry):
+    train_run(tmp_path, ["objective=meanflow"])
+    bundle = checkpoint.load(checkpoint.find_checkpoint(str(tmp_path)))
+    from flm.models import build_model
+    from flm.objectives import build_objective
+
+    model = build_model(**bundle["model_args"])
+    model.load_state_dict(bundle["ema"]["0.999"])
+    objective = build_objective("meanflow")
+    kwargs = dict(seeds=list(range(5, 13)), labels=class_labels(8, 10), shape=(1, 28, 28), steps=2)
+    a = generate(model, objective, batch_size=8, **kwargs)
+    b = generate(model, objective, batch_size=3, **kwargs)
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+    out = sample_entry.run(cfg_of("sample", [f"ckpt={tmp_path}", "n=8", "batch_size=3", "seed=5", "steps=2",
+                                             f"out={tmp_path / 'grid'}"]))
+    saved = __import__("numpy").load(out + ".npz")
+    assert saved["images"].shape == (8, 28, 28, 1) and saved["seeds"].tolist() == list(range(5, 13))
+    assert (tmp_path / "grid.png").is_file()
+    expected = ((a + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).numpy()
+    assert abs(saved["images"].astype(int) - expected.astype(int)).max() <= 1
+
+
+class FlakyObjective(torch.nn.Module):
+    """A real objective whose loss is NaN at chosen steps (or always)."""
+
+    def __init__(self, inner, nan_steps):
+        super().__init__()
+        self.inner, self.nan_steps, self.time_inputs = inner, nan_steps, inner.time_inputs
+
+    def loss(self, model, x, y=None, *, step=0):
+        loss, metrics = self.inner.loss(model, x, y, step=step)
+        return (loss * float("nan") if self.nan_steps is None or step in self.nan_steps else loss), metrics
+
+    def sample(self, *args, **kwargs):
+        return self.inner.sample(*args, **kwargs)
+
+
+def train_flaky(tmp_path, cfg_of, nan_steps, extra=()):
+    from hydra.utils import instantiate
+
+    from flm.train import train
+
+    from .conftest import TINY
+
+    cfg = cfg_of("train", TINY + ["objective=flow_matching", "trainer.log_every=1"] + list(extra))
+    return train(run_dir=str(tmp_path), model_fn=instantiate(cfg.model),
+                 objective=FlakyObjective(instantiate(cfg.objective), nan_steps), data=instantiate(cfg.data),
+                 optim=instantiate(cfg.optim), trainer=instantiate(cfg.trainer), logger=instantiate(cfg.logger))
+
+
+def test_nonfinite_step_is_skipped(tmp_path, cfg_of, caplog):
+    metrics = train_flaky(tmp_path, cfg_of, nan_steps={1})
+    assert metrics["nonfinite_steps"] == 1
+    assert "non-finite loss" in caplog.text and "skipped (1 in a row, 1 in total)" in caplog.text
+    bundle = checkpoint.load(checkpoint.find_checkpoint(str(tmp_path)))
+    assert all(torch.isfinite(v).all() for v in bundle["model"].values())
+    assert bundle["optimizer"]["state"][0]["step"].item() == 3  # 4 steps, one skipped
+
+
+def test_nonfinite_in_a_row_stops(tmp_path, cfg_of):
+    with pytest.raises(FloatingPointError, match="2 non-finite steps in a row .* Lower optim.lr"):
+        train_flaky(tmp_path, cfg_of, nan_steps=None, extra=["trainer.max_nonfinite=2"])
+    assert not checkpoint.list_checkpoints(str(tmp_path))
