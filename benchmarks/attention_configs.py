@@ -1,0 +1,49 @@
+"""Sweep launch configs of the fused JVP kernel at fixed shapes, to choose its tuning candidates.
+
+    PYTHONPATH=. python benchmarks/attention_configs.py --head-dims 64 128 --tokens 1024 4096
+
+Prints, per (head dim, tokens), every config's GPU time (CUDA-graph replay) and TFLOP/s (the JVP
+forward counted as 3 forwards), best first. bf16, batch x heads = 64 (heads = 16).
+"""
+
+import argparse
+import itertools
+
+import torch
+import triton
+
+from flm.kernels.attention_fwd import attention_fwd
+
+BLOCKS = [(128, 128), (128, 64), (128, 32), (128, 16), (64, 64), (64, 32), (64, 128)]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096])
+    ap.add_argument("--warps", type=int, nargs="+", default=[4, 8])
+    ap.add_argument("--stages", type=int, nargs="+", default=[2, 3, 4])
+    args = ap.parse_args()
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
+    for d, n in itertools.product(args.head_dims, args.tokens):
+        b, h = 64 // 16, 16
+        q, k, v, tq, tk, tv = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(6))
+        flops = 3 * 4 * b * h * n * n * d
+        results = []
+        for (bm, bn), w, s in itertools.product(BLOCKS, args.warps, args.stages):
+            cfg = (bm, bn, w, s)
+            fn = lambda: attention_fwd(q, k, v, tq, tk, tv, causal=False, scale=d**-0.5, config=cfg)  # noqa: E731
+            try:
+                fn()
+                ms = triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median")
+            except Exception as e:  # out of shared memory / registers for this config
+                print(f"  D={d} N={n} {cfg}: {type(e).__name__}")
+                continue
+            results.append((ms, cfg))
+        print(f"\nD={d} tokens={n}")
+        for ms, cfg in sorted(results)[:8]:
+            print(f"  {cfg}: {ms:.3f} ms  {flops / ms / 1e9:.0f} TFLOP/s")
+
+
+if __name__ == "__main__":
+    main()
