@@ -27,15 +27,20 @@ def image_noise(seeds, shape) -> torch.Tensor:
 @torch.no_grad()
 def generate(model, objective, *, seeds, labels, shape, steps: int, cfg_scale: float = 1.0,
              batch_size: int = 64, device="cpu", amp_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Images in [-1, 1], (len(seeds), *shape), on the CPU; the same seeds give the same images
-    whatever the batch size (noise is drawn per image, and the global RNG is re-seeded per image
-    batch from that batch's first seed for samplers that draw extra noise)."""
+    """Images in [-1, 1], (len(seeds), *shape), on the CPU.
+
+    The starting noise of image i comes from its own generator seeded with seeds[i], so samplers
+    that draw no other noise (flow matching, MeanFlow, 1-step sCM) give the same images whatever
+    the batch size. Multi-step sCM re-noises from the global RNG, seeded here per batch from the
+    batch's first seed: reproducible for a fixed batch_size, not across batch sizes.
+    """
     was_training = model.training
     model.eval()
     out = []
     for lo in range(0, len(seeds), batch_size):
         seeds_b = seeds[lo: lo + batch_size]
         noise = image_noise(seeds_b, shape).to(device)
+        torch.manual_seed(int(seeds_b[0]))
         y = None if labels is None else labels[lo: lo + batch_size].to(device)
         autocast = torch.autocast(device.type, dtype=amp_dtype) if amp_dtype else contextlib.nullcontext()
         with autocast:
