@@ -21,6 +21,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     ap.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096])
+    ap.add_argument("--blocks", nargs="+", default=[f"{m}x{n}" for m, n in BLOCKS], help="BLOCK_MxBLOCK_N")
     ap.add_argument("--warps", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--stages", type=int, nargs="+", default=[2, 3, 4])
     args = ap.parse_args()
@@ -30,7 +31,8 @@ def main():
         q, k, v, tq, tk, tv = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(6))
         flops = 3 * 4 * b * h * n * n * d
         results = []
-        for (bm, bn), w, s in itertools.product(BLOCKS, args.warps, args.stages):
+        blocks = [tuple(int(x) for x in b.split("x")) for b in args.blocks]
+        for (bm, bn), w, s in itertools.product(blocks, args.warps, args.stages):
             cfg = (bm, bn, w, s)
             fn = lambda: attention_fwd(q, k, v, tq, tk, tv, causal=False, scale=d**-0.5, config=cfg)  # noqa: E731
             try:
