@@ -6,8 +6,8 @@
 
 Writes <out>.png (a grid) and <out>.npz (images uint8 (N, H, W, C), seeds, labels); by default
 <run folder>/samples/<checkpoint>-<weights>-steps<k>-cfg<s>-seed<seed>-n<n>.*. Image i is drawn from
-seed + i with its own generator, so the images do not depend on batch_size (except multi-step sCM,
-whose re-noising is seeded per batch; see flm.train.sampling.generate).
+seed + i with its own generator (multi-step sCM's re-noising included), so the images do not depend
+on batch_size.
 """
 
 import os

@@ -21,6 +21,8 @@ THE OBJECTIVE HAS PARAMETERS: optimise them with the model,
 
 Sampling (section 3): x0 = f(sigma_d eps, t_max), then for each intermediate time t_i
 x0 = f(cos(t_i) x0 + sin(t_i) sigma_d eps_i, t_i); t_max = arctan(80 / sigma_d), 2-step t_1 = 1.1.
+With `generators` (one per image), eps_i of image k is drawn from generators[k], so multi-step samples
+do not depend on the batch size (flm.train.sampling.generate passes the generators of the initial noise).
 
     from flm.objectives import SCM
     scm = SCM(sigma_d=0.5, warmup_steps=10_000, jvp_mode="dual").to(device)
@@ -35,7 +37,9 @@ from torch import nn
 
 from flm.objectives.guidance import check_cfg, drop_labels, guided
 from flm.objectives.jvp import check_jvp_mode, jvp
-from flm.objectives.paths import TrigFlowPath, bcast, check_probability, check_std, lognormal_trigflow
+from flm.objectives.paths import (
+    TrigFlowPath, bcast, check_probability, check_std, lognormal_trigflow, randn_per_image,
+)
 
 
 class LogVar(nn.Module):
@@ -147,13 +151,22 @@ class SCM(nn.Module):
         return torch.linspace(self.t_max, 0.0, steps + 1)[:-1].tolist()
 
     @torch.no_grad()
-    def sample(self, model, noise, y=None, *, steps: int, cfg_scale: float = 1.0, generator=None):
-        """x0 from noise ~ N(0, I) in `steps` consistency steps; `generator` drives the re-noising."""
+    def sample(self, model, noise, y=None, *, steps: int, cfg_scale: float = 1.0, generators=None):
+        """x0 from noise ~ N(0, I) in `steps` consistency steps.
+
+        generators: one torch.Generator per image for the re-noising of multi-step sampling (image k's
+        noise then depends only on generators[k]); None draws it from the global RNG.
+        """
         check_cfg(model, y, cfg_scale)
+        if generators is not None and len(generators) != noise.shape[0]:
+            raise ValueError(f"got {len(generators)} generators for {noise.shape[0]} images; pass one per image")
         times = self.sample_times(steps)
         x0 = self.consistency_fn(model, self.sigma_d * noise.float(), times[0], y, cfg_scale)
         for t in times[1:]:
-            eps = torch.randn(noise.shape, generator=generator, device=noise.device)
+            if generators is None:
+                eps = torch.randn(noise.shape, device=noise.device)
+            else:
+                eps = randn_per_image(generators, noise.shape[1:], device=noise.device)
             x_t = math.cos(t) * x0 + math.sin(t) * self.sigma_d * eps
             x0 = self.consistency_fn(model, x_t, t, y, cfg_scale)
         return x0

@@ -50,8 +50,11 @@ class FlowMatching(nn.Module):
         return loss, {"loss": loss.detach()}
 
     @torch.no_grad()
-    def sample(self, model, noise, y=None, *, steps: int, cfg_scale: float = 1.0):
-        """Integrate from x_1 = noise at t = 1 to t = 0 on a uniform grid of `steps` intervals."""
+    def sample(self, model, noise, y=None, *, steps: int, cfg_scale: float = 1.0, generators=None):
+        """Integrate from x_1 = noise at t = 1 to t = 0 on a uniform grid of `steps` intervals.
+
+        Deterministic: `generators` (the shared sampler signature) go unused.
+        """
         check_cfg(model, y, cfg_scale)
         ts = time_grid(steps, 1.0, 0.0, device=noise.device)
         x = noise

@@ -118,11 +118,11 @@ class MeanFlow(nn.Module):
         return loss, {"loss": loss.detach(), "mse": sq.detach().mean() / err[0].numel()}
 
     @torch.no_grad()
-    def sample(self, model, noise, y=None, *, steps: int, cfg_scale: float = 1.0):
+    def sample(self, model, noise, y=None, *, steps: int, cfg_scale: float = 1.0, generators=None):
         """z_r = z_t - (t - r) u(z_t, r, t) from t = 1 to 0 in `steps` uniform jumps (eq. 12).
 
         cfg_scale != 1 doubles the evaluations; models trained with guidance in training are
-        meant for cfg_scale = 1.
+        meant for cfg_scale = 1. Deterministic: `generators` (the shared sampler signature) go unused.
         """
         check_cfg(model, y, cfg_scale)
         ts = time_grid(steps, 1.0, 0.0, device=noise.device)

@@ -73,6 +73,12 @@ def lognormal_trigflow(n: int, p_mean: float, p_std: float, sigma_d: float, *, d
     return torch.atan(torch.exp(tau) / sigma_d)
 
 
+def randn_per_image(generators, shape, *, device=None) -> torch.Tensor:
+    """(len(generators), *shape) N(0, I) noise, image i drawn from generators[i] (CPU generators, so the
+    numbers do not depend on the device or on which images share a batch)."""
+    return torch.stack([torch.randn(shape, generator=g) for g in generators]).to(device)
+
+
 def time_grid(steps: int, start: float, end: float, *, device=None) -> torch.Tensor:
     """steps + 1 uniformly spaced times from start to end (the samplers' grid)."""
     if not (isinstance(steps, int) and steps >= 1):

@@ -7,6 +7,7 @@ import os
 import numpy as np
 import torch
 
+from flm.objectives.paths import randn_per_image
 
 def class_labels(n: int, num_classes: int, label: int | None = None) -> torch.Tensor | None:
     """Labels for n images: all `label` if given, else cycling 0, 1, ..., num_classes - 1 (None if unconditional)."""
@@ -19,32 +20,26 @@ def class_labels(n: int, num_classes: int, label: int | None = None) -> torch.Te
     return torch.full((n,), label) if label is not None else torch.arange(n) % num_classes
 
 
-def image_noise(seeds, shape) -> torch.Tensor:
-    """Noise (N, *shape) where image i comes from its own generator seeded with seeds[i]."""
-    return torch.stack([torch.randn(shape, generator=torch.Generator().manual_seed(int(s))) for s in seeds])
-
-
 @torch.no_grad()
 def generate(model, objective, *, seeds, labels, shape, steps: int, cfg_scale: float = 1.0,
              batch_size: int = 64, device="cpu", amp_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Images in [-1, 1], (len(seeds), *shape), on the CPU.
 
-    The starting noise of image i comes from its own generator seeded with seeds[i], so samplers
-    that draw no other noise (flow matching, MeanFlow, 1-step sCM) give the same images whatever
-    the batch size. Multi-step sCM re-noises from the global RNG, seeded here per batch from the
-    batch's first seed: reproducible for a fixed batch_size, not across batch sizes.
+    Image i has its own generator seeded with seeds[i]: it draws the starting noise, and the sampler
+    draws any later noise (multi-step sCM's re-noising) from it too, so image i depends only on
+    seeds[i] and labels[i], whatever the batch size.
     """
     was_training = model.training
     model.eval()
     out = []
     for lo in range(0, len(seeds), batch_size):
         seeds_b = seeds[lo: lo + batch_size]
-        noise = image_noise(seeds_b, shape).to(device)
-        torch.manual_seed(int(seeds_b[0]))
+        generators = [torch.Generator().manual_seed(int(s)) for s in seeds_b]
+        noise = randn_per_image(generators, shape, device=device)
         y = None if labels is None else labels[lo: lo + batch_size].to(device)
         autocast = torch.autocast(device.type, dtype=amp_dtype) if amp_dtype else contextlib.nullcontext()
         with autocast:
-            x = objective.sample(model, noise, y, steps=steps, cfg_scale=cfg_scale)
+            x = objective.sample(model, noise, y, steps=steps, cfg_scale=cfg_scale, generators=generators)
         out.append(x.float().clamp(-1, 1).cpu())
     model.train(was_training)
     return torch.cat(out)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from flm.objectives import SCM
+from tests.models.tiny import tiny_dit
 from tests.objectives.toys import PointMassTrigFlow
 
 A = 0.7
@@ -63,3 +64,22 @@ def test_sample_times():
     scm = SCM()
     assert scm.sample_times(2) == [pytest.approx(1.56454, abs=1e-4), 1.1]
     assert len(scm.sample_times(4)) == 4
+
+
+def _generators(seeds):
+    return [torch.Generator().manual_seed(s) for s in seeds]
+
+
+def test_multi_step_sampling_depends_only_on_each_images_generator():
+    model = tiny_dit(num_classes=0, channels=1, input_size=8)
+    scm, noise = SCM(), torch.randn(5, 1, 8, 8)
+    whole = scm.sample(model, noise, steps=3, generators=_generators(range(5)))
+    split = torch.cat([scm.sample(model, noise[:2], steps=3, generators=_generators(range(2))),
+                       scm.sample(model, noise[2:], steps=3, generators=_generators(range(2, 5)))])
+    torch.testing.assert_close(whole, split, rtol=1e-5, atol=1e-5)
+    reordered = scm.sample(model, noise.flip(0), steps=3, generators=_generators(range(4, -1, -1)))
+    torch.testing.assert_close(whole, reordered.flip(0), rtol=1e-5, atol=1e-5)
+    other = scm.sample(model, noise, steps=3, generators=_generators(range(10, 15)))  # the re-noising matters
+    assert (other - whole).abs().max() > 1e-3
+    with pytest.raises(ValueError, match="got 2 generators for 5 images; pass one per image"):
+        scm.sample(model, noise, steps=2, generators=_generators(range(2)))

@@ -53,15 +53,17 @@ def test_stop_and_resume_is_bit_exact(tmp_path, train_run):
     assert read_metrics(tmp_path / "whole")[-1]["loss"] == read_metrics(tmp_path / "split")[-1]["loss"]  # steps 5-6
 
 
-def test_sampling_does_not_depend_on_batch_size(tmp_path, train_run, cfg_of, sample_entry):
-    train_run(tmp_path, ["objective=meanflow"])
+@pytest.mark.parametrize("objective", ["meanflow", "scm"])  # sCM: 2 steps re-noise between them
+def test_sampling_does_not_depend_on_batch_size(tmp_path, train_run, cfg_of, sample_entry, objective):
+    train_run(tmp_path, [f"objective={objective}"])
     bundle = checkpoint.load(checkpoint.find_checkpoint(str(tmp_path)))
     from flm.models import build_model
-    from flm.objectives import build_objective
+    from hydra.utils import instantiate
 
     model = build_model(**bundle["model_args"])
-    model.load_state_dict(bundle["ema"]["0.999"])
-    objective = build_objective("meanflow")
+    model.load_state_dict(next(iter(bundle["ema"].values())))
+    objective = instantiate(bundle["config"]["objective"])
+    objective.load_state_dict(bundle["objective"])
     kwargs = dict(seeds=list(range(5, 13)), labels=class_labels(8, 10), shape=(1, 28, 28), steps=2)
     a = generate(model, objective, batch_size=8, **kwargs)
     b = generate(model, objective, batch_size=3, **kwargs)
