@@ -4,7 +4,11 @@ Patchify, 2-D sin-cos position embedding, adaLN-Zero blocks, a final adaLN layer
 outputs, as in facebookresearch/DiT, with:
 - any image size and channel count (pixels or VAE latents), output shaped like the input;
 - class conditioning with a null class (index `num_classes`) for classifier-free guidance;
-- a time embedding of t, or of (t, t - r) for MeanFlow (`time_inputs=2`, the paper's choice);
+- a time embedding of t, or of (t, t - r) for MeanFlow (`time_inputs=2`, the paper's choice), with
+  sinusoids of `time_scale * t`: 1 by default, t in the objective's own units (SiT's choice; sCM's
+  c_noise(t) = t, arXiv 2410.11081 section 4.1). DiT's 1000 t multiplies d/dt of every time feature by
+  1000, and the JVP objectives put d/dt into their targets: MeanFlow's (t - r) du/dt then swings by
+  orders of magnitude and training does not settle;
 - attention through `flm.attention.attention` with the backend as a constructor argument.
 
 Nothing here knows about JVPs: dual tensors (forward AD) and torch.func.jvp flow through, and the
@@ -37,6 +41,9 @@ MODEL_SIZES = {
 # tiny sizes for CPU tests; head dim 32 so the Triton JVP kernel runs them
 MODEL_SIZES["DiT-T/2"] = (2, 64, 2, 2)
 MODEL_SIZES["DiT-T/4"] = (2, 64, 2, 4)
+# the default CPU run's size (python train.py): 28 x 28 MNIST as 16 tokens of 7 x 7 pixels, which buys
+# depth 4 and width 128 (head dim 32) at the step time of DiT-T/4's 49 tokens (about 120 ms at batch 64)
+MODEL_SIZES["DiT-Ti/7"] = (4, 128, 4, 7)
 
 
 # --------------------------------------------------------------------------------------------
@@ -61,7 +68,7 @@ def sincos_pos_embed_2d(dim: int, grid: int) -> torch.Tensor:
 class TimestepEmbedder(nn.Module):
     """Scalar -> sinusoidal features of `time_scale * t` -> MLP (DiT's TimestepEmbedder)."""
 
-    def __init__(self, hidden: int, freq_dim: int = 256, time_scale: float = 1000.0):
+    def __init__(self, hidden: int, freq_dim: int = 256, time_scale: float = 1.0):
         super().__init__()
         half = freq_dim // 2
         self.register_buffer(
@@ -143,7 +150,7 @@ class FinalLayer(nn.Module):
 class DiT(nn.Module):
     """forward(x, t, r=None, y=None) -> tensor shaped like x.
 
-    x (B, C, H, W); t (B,) (or a scalar) in the objective's time units (embedded as 1000 t);
+    x (B, C, H, W); t (B,) (or a scalar) in the objective's time units (embedded as time_scale * t);
     r (B,) second time for MeanFlow (`time_inputs=2`: the embedding is of t and t - r);
     y (B,) integer labels in [0, num_classes], `num_classes` being the null (unconditional) class;
     y=None on a conditional model means the null class for every sample.
@@ -161,6 +168,7 @@ class DiT(nn.Module):
         mlp_ratio: float = 4.0,
         num_classes: int = 0,
         time_inputs: int = 1,
+        time_scale: float = 1.0,
         attention: str = "auto",
     ):
         super().__init__()
@@ -171,6 +179,8 @@ class DiT(nn.Module):
             )
         if time_inputs not in (1, 2):
             raise ValueError(f"time_inputs must be 1 (t) or 2 (t, r for MeanFlow), got {time_inputs!r}")
+        if not time_scale > 0:
+            raise ValueError(f"time_scale must be > 0 (1: t as the objective gives it), got {time_scale!r}")
         if num_classes < 0:
             raise ValueError(f"num_classes must be >= 0 (0: unconditional), got {num_classes}")
         self.input_size, self.in_channels, self.patch_size = input_size, in_channels, patch_size
@@ -179,8 +189,8 @@ class DiT(nn.Module):
 
         self.x_embedder = fnn.Linear(in_channels * patch_size**2, hidden_size)  # patchify as a linear
         self.register_buffer("pos_embed", sincos_pos_embed_2d(hidden_size, self.grid)[None], persistent=False)
-        self.t_embedder = TimestepEmbedder(hidden_size)
-        self.dt_embedder = TimestepEmbedder(hidden_size) if time_inputs == 2 else None
+        self.t_embedder = TimestepEmbedder(hidden_size, time_scale=time_scale)
+        self.dt_embedder = TimestepEmbedder(hidden_size, time_scale=time_scale) if time_inputs == 2 else None
         self.y_embedder = nn.Embedding(num_classes + 1, hidden_size) if num_classes > 0 else None
         self.blocks = nn.ModuleList(
             DiTBlock(hidden_size, num_heads, mlp_ratio, attention) for _ in range(depth)

@@ -192,7 +192,8 @@ def train(*, run_dir: str, model_fn, objective, data: DataConfig, optim: OptimCo
                       time_inputs=objective.time_inputs, attention=attention)
     torch.manual_seed(trainer.seed)  # the same initial weights on every rank
     raw = model_fn(**model_args)
-    model_args["name"] = getattr(model_fn, "keywords", {}).get("name", type(raw).__name__)
+    # what sample.py and resume rebuild from: the size name and the config's other model options (time_scale)
+    model_args = {"name": type(raw).__name__, **getattr(model_fn, "keywords", {}), **model_args}
     if bundle is not None:
         checkpoint.check_model_args(resume_from, bundle["model_args"], model_args)
         raw.load_state_dict(bundle["model"])

@@ -18,7 +18,7 @@ def test_registry_has_the_paper_sizes():
         for patch in (2, 4, 8):
             assert f"DiT-{size}/{patch}" in MODEL_SIZES
     assert MODEL_SIZES["DiT-XL/2"] == (28, 1152, 16, 2)
-    for name in ("DiT-T/2", "DiT-T/4"):
+    for name in ("DiT-T/2", "DiT-T/4", "DiT-Ti/7"):
         _, hidden, heads, _ = MODEL_SIZES[name]
         assert hidden // heads >= 16 and (hidden // heads) % 8 == 0
 
@@ -43,12 +43,26 @@ def test_conditioning_changes_the_output():
     torch.testing.assert_close(model(x, t, t), null)  # y=None is the null class
 
 
+def test_time_scale_scales_the_embedded_time_and_its_derivative():
+    """time_scale s embeds s t: the same weights see t at scale s as 1 t at scale 1, and d/dt grows by s."""
+    a, b = tiny_dit(time_inputs=2), tiny_dit(time_inputs=2)
+    for emb in (b.t_embedder, b.dt_embedder):
+        emb.freqs.mul_(1000.0)
+    assert build_model("DiT-T/2", input_size=8, in_channels=3, time_scale=1000.0).t_embedder.freqs.max() == 1000.0
+    x, t, r, y = torch.randn(2, 3, 8, 8), torch.tensor([0.3, 0.7]), torch.tensor([0.1, 0.7]), torch.tensor([1, 2])
+    torch.testing.assert_close(b(x, t / 1000, r / 1000, y), a(x, t, r, y), rtol=1e-4, atol=1e-5)
+    dt_a = torch.func.jvp(lambda t_: a(x, t_, r, y), (t,), (torch.ones_like(t),))[1]
+    dt_b = torch.func.jvp(lambda t_: b(x, t_, r, y), (t,), (torch.ones_like(t),))[1]
+    assert dt_b.abs().mean() > 30 * dt_a.abs().mean()  # what the 1000 t of DiT's diffusion code did to MeanFlow
+
+
 @pytest.mark.parametrize(
     "build,call,match",
     [
         (dict(name="DiT-Q/2"), None, "unknown model size 'DiT-Q/2'; valid names: DiT-S/2"),
         (dict(input_size=9), None, "input_size 9 is not divisible by the patch size 2"),
         (dict(time_inputs=3), None, "time_inputs must be 1"),
+        (dict(time_scale=0.0), None, "time_scale must be > 0"),
         (dict(), dict(y=torch.tensor([0, 11])), r"labels y must lie in \[0, 10\]"),
         (dict(), dict(y=torch.tensor([-1, 0])), r"labels y must lie in \[0, 10\]"),
         (dict(num_classes=0), dict(y=torch.tensor([0, 1])), "unconditional model; build it with num_classes > 0"),
