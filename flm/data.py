@@ -198,30 +198,41 @@ class Loader:
     """Infinite stream of (x, y) batches for this rank, resumable through state_dict().
 
     Epoch e is the permutation of the dataset drawn from (seed, e), cut into global batches of
-    `batch_size * world_size` images (the last partial one dropped); rank r takes the r-th slice of
-    each. The random horizontal flips are drawn with the permutation, so both depend on the global
-    position only, never on the world size.
+    `batch_size * world_size` images; rank r takes the r-th slice of each. An epoch ends after a
+    whole number of optimizer steps (`grad_accum` batches each; the rest of the dataset is dropped),
+    so with the same global batch per step (batch_size x world_size x grad_accum) every world size
+    sees the same images at the same step. The random horizontal flips are drawn with the
+    permutation, so both depend on the global position only. The position (state_dict) counts
+    images, so it stays valid when a run resumes under another world size.
     """
 
     def __init__(self, dataset, *, batch_size: int, rank: int, world_size: int, seed: int,
-                 hflip: bool = False, num_workers: int = 0):
+                 grad_accum: int = 1, hflip: bool = False, num_workers: int = 0):
         self.dataset, self.batch_size, self.rank, self.world_size = dataset, batch_size, rank, world_size
         self.seed, self.hflip, self.num_workers = seed, hflip, num_workers
         self.global_batch = batch_size * world_size
-        self.batches_per_epoch = len(dataset) // self.global_batch
+        step_images = self.global_batch * grad_accum
+        self.batches_per_epoch = len(dataset) // step_images * grad_accum
         if self.batches_per_epoch == 0:
             raise ValueError(
-                f"the dataset has {len(dataset)} images, fewer than one global batch of {self.global_batch}; "
+                f"the dataset has {len(dataset)} images, fewer than one global batch of {step_images}; "
                 f"lower trainer.batch_size or use a larger dataset"
             )
         self.epoch, self.batch = 0, 0  # position: batches handed out in this epoch
         self._it = None
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "batch": self.batch}
+        return {"epoch": self.epoch, "images": self.batch * self.global_batch}
 
     def load_state_dict(self, state: dict) -> None:
-        self.epoch, self.batch, self._it = int(state["epoch"]), int(state["batch"]), None
+        # older checkpoints counted batches
+        images = int(state["images"]) if "images" in state else int(state["batch"]) * self.global_batch
+        if images % self.global_batch:
+            raise ValueError(
+                f"the saved data position ({images} images into epoch {state['epoch']}) is not a whole number of "
+                f"batches of {self.global_batch} images; resume with the run's trainer.batch_size"
+            )
+        self.epoch, self.batch, self._it = int(state["epoch"]), images // self.global_batch, None
 
     def _epoch_plan(self, epoch: int):
         g = torch.Generator().manual_seed(_seed(self.seed, epoch))

@@ -34,7 +34,8 @@ def is_main() -> bool:
 
 
 def init(device: str = "auto") -> torch.device:
-    """Join the process group when launched by torchrun (WORLD_SIZE > 1) and pick this rank's device.
+    """Join the process group when launched by torchrun or by submitit (hydra/launcher=slurm) with
+    more than one process, and pick this rank's device.
 
     device: "auto" (CUDA when available, else CPU), "cpu" or "cuda". NCCL on CUDA, gloo on the CPU.
     """
@@ -42,6 +43,11 @@ def init(device: str = "auto") -> torch.device:
         raise ValueError(f"trainer.device must be auto, cpu or cuda, got {device!r}")
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("trainer.device=cuda but no CUDA device is visible here; use trainer.device=auto or cpu")
+    if "SUBMITIT_EXECUTOR" in os.environ and "WORLD_SIZE" not in os.environ:
+        # a task of a submitit job (hydra/launcher=slurm): torchrun's variables from SLURM's
+        import submitit
+
+        submitit.helpers.TorchDistributedEnvironment().export()
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     dev = torch.device("cuda", local_rank()) if use_cuda else torch.device("cpu")
     if use_cuda:
@@ -97,3 +103,41 @@ def broadcast_object(obj):
         dist.broadcast_object_list(box, src=0)
         obj = box[0]
     return obj
+
+
+def check_in_sync(step: int, *modules) -> None:
+    """Raise on every rank when the parameters of `modules` differ between ranks (a no-op on one process).
+
+    Data parallelism keeps every replica bit-identical: each rank applies the same all-reduced
+    gradients. A per-tensor checksum (float64 sum and sum of squares) that differs between ranks means
+    a gradient all-reduce was skipped, which nothing else reports. Parameters sharded by FSDP2 (DTensors
+    with a Shard placement) have a single owner and are not compared.
+    """
+    if not is_initialized():
+        return
+    names, sums = [], []
+    named = [(f"{type(m).__name__}.{n}", p) for m in modules if isinstance(m, torch.nn.Module)
+             for n, p in m.named_parameters()]
+    for name, p in named:
+        if hasattr(p, "placements"):  # DTensor
+            if not all(pl.is_replicate() for pl in p.placements):
+                continue
+            p = p.to_local()
+        p = p.detach().double()
+        names.append(name)
+        sums.append(torch.stack([p.sum(), p.square().sum()]))
+    if not sums:
+        return
+    local = torch.stack(sums)  # (n_tensors, 2)
+    lo, hi = all_min(local), local.clone()
+    dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+    differ = (hi != lo).any(dim=1).nonzero().flatten().tolist()
+    if differ:
+        shown = ", ".join(names[i] for i in differ[:3]) + (", ..." if len(differ) > 3 else "")
+        raise RuntimeError(
+            f"parameters differ across ranks after step {step} ({len(differ)} of {len(names)} tensors, e.g. {shown}): "
+            f"a gradient all-reduce was skipped. The usual cause is calling the wrapped model's `.module` (for "
+            f"example torch.func.jvp or functional_call on model.module), which bypasses DistributedDataParallel's "
+            f"gradient hooks; call the DDP-wrapped model itself, as flm.objectives.jvp does. Other causes: a "
+            f"parameter changed outside the optimizer on some ranks, or gradients kept under no_sync()."
+        )

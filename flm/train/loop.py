@@ -7,6 +7,15 @@ Non-finite steps: when the loss or the gradient norm is NaN/inf on any rank, the
 (and the EMA update) is skipped on every rank with a warning, and the count is logged; after
 `trainer.max_nonfinite` such steps in a row training stops with an error (the last checkpoint is
 left as it was). Data and RNG still advance, so a resumed run skips the same steps.
+
+Several processes: each optimizer step takes `trainer.batch_size` images, cut into world_size x
+grad_accum micro-batches in the loader's order, and every micro-batch draws its noise from a seed of
+(seed, step, its index in that order). N ranks with A accumulation steps therefore train as one rank
+with N x A accumulation steps (up to the rounding of the gradient all-reduce), and a checkpoint
+resumes under any world size: it continues exactly when world_size x grad_accum stays the same, and
+with the same images per step (other noise draws) otherwise. After the first step of a run, and
+every `trainer.sync_check_every` steps, the ranks compare a checksum of their parameters
+(flm.dist.check_in_sync), so a skipped gradient all-reduce stops the run instead of going unnoticed.
 """
 
 import contextlib
@@ -51,6 +60,7 @@ class TrainerConfig:
     keep_last: int = 2
     resume: str | None = None  # null (new run) | auto (latest checkpoint in the run folder) | a path
     max_nonfinite: int = 10  # stop after this many skipped (non-finite) steps in a row
+    sync_check_every: int = 1000  # compare a parameter checksum across ranks after step 1 and every N steps; 0: never
 
     def __post_init__(self):
         self.ema_decays = [float(d) for d in self.ema_decays]
@@ -58,7 +68,7 @@ class TrainerConfig:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"trainer.{name} must be > 0, got {getattr(self, name)}")
-        for name in ("sample_every", "ckpt_every", "keep_last"):
+        for name in ("sample_every", "ckpt_every", "keep_last", "sync_check_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"trainer.{name} must be >= 0 (0 = at the end only / keep all), got {getattr(self, name)}")
         if self.precision not in ("auto", "bf16", "fp32"):
@@ -210,7 +220,7 @@ def train(*, run_dir: str, model_fn, objective, data: DataConfig, optim: OptimCo
     params = [p for p in raw.parameters() if p.requires_grad] + objective_params
     opt, sched = build_optimizer(params, optim)
     loader = Loader(dataset, batch_size=micro_batch, rank=rank, world_size=world, seed=trainer.seed,
-                    hflip=data.hflip, num_workers=data.num_workers)
+                    grad_accum=trainer.grad_accum, hflip=data.hflip, num_workers=data.num_workers)
     step, skipped_total, skipped_run = 0, 0, 0
     if bundle is not None:
         ema.load_state_dict(bundle["ema"])
@@ -263,9 +273,11 @@ def train(*, run_dir: str, model_fn, objective, data: DataConfig, optim: OptimCo
         torch.cuda.reset_peak_memory_stats(device)
     try:
         while step < trainer.max_steps:
-            torch.manual_seed(_seed(trainer.seed, rank, step))  # per rank, per step: resumes exactly
             loss_step = torch.zeros((), device=device)
             for micro in range(trainer.grad_accum):
+                # per step and per micro-batch, numbered over the whole step (the loader's order): resumes
+                # exactly, and N ranks x A accumulation steps draw what one rank with N x A steps draws
+                torch.manual_seed(_seed(trainer.seed, step, micro * world + rank))
                 x, y = loader.next()
                 x = x.to(device, non_blocking=True)
                 y = y.to(device, non_blocking=True) if num_classes else None
@@ -296,6 +308,8 @@ def train(*, run_dir: str, model_fn, objective, data: DataConfig, optim: OptimCo
                     )
             opt.zero_grad(set_to_none=True)
             step += 1
+            if trainer.sync_check_every and (step == step_start + 1 or step % trainer.sync_check_every == 0):
+                dist.check_in_sync(step, raw, objective)
             window_steps += 1
             loss_sum += loss_step.item() if math.isfinite(loss_step.item()) else 0.0
 

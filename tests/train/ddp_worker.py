@@ -1,0 +1,43 @@
+"""Runs under torchrun for test_distributed.py: several short trainings in one process group (one
+launch, not one per run). argv[1] is a JSON list of [run_dir, [overrides]]; a run that raises writes
+its message to <run_dir>/error.txt (on rank 0) and the next run starts."""
+
+import json
+import pathlib
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from flm.objectives import MeanFlow  # noqa: E402
+
+
+class ModuleBypass(MeanFlow):
+    """MeanFlow on the DDP wrapper's `.module`: the trap the sync check is for (DDP's gradient hooks do
+    not fire when its forward is bypassed, so each rank steps with its own gradients)."""
+
+    def loss(self, model, x, y=None, *, step: int = 0):
+        return super().loss(getattr(model, "module", model), x, y, step=step)
+
+
+def main(jobs_file: str) -> None:
+    from hydra import compose, initialize_config_dir
+
+    from flm import dist
+    from tests.train.conftest import TINY, load_entry
+
+    train_entry = load_entry("train")
+    for run_dir, overrides in json.loads(pathlib.Path(jobs_file).read_text()):
+        with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+            cfg = compose(config_name="train", overrides=TINY + overrides)
+        try:
+            train_entry.run(cfg, run_dir)
+        except Exception as e:
+            if dist.is_main():
+                pathlib.Path(run_dir).mkdir(parents=True, exist_ok=True)
+                pathlib.Path(run_dir, "error.txt").write_text(f"{type(e).__name__}: {e}")
+    dist.close()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

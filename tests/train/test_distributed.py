@@ -1,0 +1,88 @@
+"""Two processes on the CPU (gloo, launched with torchrun): DDP with a JVP objective trains as one
+process with the same global batch, a skipped gradient all-reduce is caught, checkpoints move
+between world sizes (2 -> 1 and 1 -> 2)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from flm.train import checkpoint
+
+from .conftest import ROOT, TINY, load_entry
+
+# 8 images a step: 2 ranks x 4, or 1 rank x 2 accumulation steps x 4 (the same micro-batches and noise)
+COMMON = ["trainer.batch_size=8", "objective.r_neq_t=0.75", "trainer.ckpt_every=2", "trainer.keep_last=0",
+          "trainer.sample_n=2"]
+ONE = ["trainer.grad_accum=2"]
+MODES = ("dual", "two_pass")
+
+
+def run_one(run_dir, overrides):
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=TINY + COMMON + ONE + overrides)
+    load_entry("train").run(cfg, str(run_dir))
+
+
+def run_two(tmp, jobs):
+    """The jobs ([run_dir, overrides]) in one torchrun launch of two CPU processes."""
+    jobs_file = tmp / "jobs.json"
+    jobs_file.write_text(json.dumps([[str(d), TINY + COMMON + o] for d, o in jobs]))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         str(ROOT / "tests" / "train" / "ddp_worker.py"), str(jobs_file)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Every run of this file: 1-process references, then one 2-process launch, then a 2 -> 1 resume."""
+    tmp = tmp_path_factory.mktemp("ddp")
+    for mode in MODES:
+        run_one(tmp / f"one-{mode}", [f"objective.jvp_mode={mode}"])
+    run_two(tmp, [(tmp / f"two-{mode}", [f"objective.jvp_mode={mode}"]) for mode in MODES] + [
+        (tmp / "one-to-two", [f"trainer.resume={tmp / 'one-dual/checkpoints/ckpt-00000002.pt'}"]),
+        (tmp / "bypass", ["objective._target_=tests.train.ddp_worker.ModuleBypass", "~objective.name",
+                            "trainer.max_steps=2"]),
+    ])
+    run_one(tmp / "two-to-one", [f"trainer.resume={tmp / 'two-dual/checkpoints/ckpt-00000002.pt'}"])
+    return tmp
+
+
+def final(run_dir):
+    return checkpoint.load(str(run_dir / "checkpoints" / "ckpt-00000004.pt"))
+
+
+def assert_same_training(a, b):
+    """Same weights, EMA, optimizer moments and data position, up to fp32 all-reduce rounding."""
+    for key in ("model", "ema"):
+        torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
+    torch.testing.assert_close(a["optimizer"]["state"], b["optimizer"]["state"], rtol=1e-5, atol=1e-7)
+    assert a["data"] == b["data"] and a["step"] == b["step"] == 4
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_two_processes_train_as_one(runs, mode):
+    one, two = final(runs / f"one-{mode}"), final(runs / f"two-{mode}")
+    assert_same_training(two, one)
+    start = checkpoint.load(str(runs / f"one-{mode}" / "checkpoints" / "ckpt-00000002.pt"))
+    assert not torch.allclose(start["model"]["final_layer.linear.weight"], one["model"]["final_layer.linear.weight"])
+
+
+@pytest.mark.parametrize("direction", ["two-to-one", "one-to-two"])
+def test_checkpoint_resumes_under_another_world_size(runs, direction):
+    assert_same_training(final(runs / direction), final(runs / "one-dual"))
+
+
+def test_a_skipped_gradient_all_reduce_stops_the_run(runs):
+    error = (runs / "bypass" / "error.txt").read_text()
+    assert error.startswith("RuntimeError: parameters differ across ranks after step 1"), error
+    assert "model.module" in error
+    assert not checkpoint.list_checkpoints(str(runs / "bypass"))
