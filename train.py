@@ -5,22 +5,25 @@
     python train.py experiment=cifar10_meanflow attention=triton_jvp
     python train.py run_dir=outputs/2025-01-01/12-00-00 trainer.resume=auto   # continue a run exactly
     python train.py -m objective=flow_matching,meanflow,scm   # a Hydra multirun, one folder per job
+    python train.py -m attention=math,sdpa,flash,triton_jvp   # per-backend step time, memory, loss (python -m flm.ablate compares them)
     torchrun --standalone --nproc_per_node=8 train.py experiment=cifar10_scm   # DDP (trainer.parallel=fsdp: FSDP2)
     torchrun --nnodes=2 --node_rank=$RANK --nproc_per_node=8 --rdzv_backend=c10d \\
         --rdzv_endpoint=$HOST:29500 train.py experiment=cifar10_scm run_dir=/shared/runs/scm   # several machines
 
 Every run writes to its folder (run_dir, Hydra's output dir): checkpoints/, samples/*.png,
 metrics.jsonl, train.log and .hydra/ (the composed config). Bad input ends with one line saying
-what is wrong and how to fix it, and exit code 1 (HYDRA_FULL_ERROR=1 shows the traceback).
+what is wrong and how to fix it, and exit code 1 (HYDRA_FULL_ERROR=1 shows the traceback); in a
+multirun the other jobs still run, and the failed ones are listed at the end.
 """
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from flm.train import train
-from flm.train.cli import report_user_errors
+from flm.train.cli import exit_if_jobs_failed, report_user_errors
 
 
 def run(cfg: DictConfig, run_dir: str) -> dict:
@@ -39,10 +42,15 @@ def run(cfg: DictConfig, run_dir: str) -> dict:
 
 @hydra.main(config_path="configs", config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    run_dir = HydraConfig.get().runtime.output_dir
-    with report_user_errors(run_dir):
+    hydra_cfg = HydraConfig.get()
+    run_dir = hydra_cfg.runtime.output_dir
+    job = None
+    if hydra_cfg.mode == RunMode.MULTIRUN:
+        job = f"job {hydra_cfg.job.num} ({' '.join(hydra_cfg.overrides.task)})"
+    with report_user_errors(run_dir, job=job):
         run(cfg, run_dir)
 
 
 if __name__ == "__main__":
     main()
+    exit_if_jobs_failed()

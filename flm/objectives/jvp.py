@@ -6,12 +6,17 @@
   One more forward's worth of work, no dual tensors in the gradient pass.
 
 Both give the same output, tangent and gradients (tests/objectives/test_jvp_modes.py).
+`record_tangents` keeps the first tangents an objective computes (flm.ablate compares them across
+attention backends).
 """
+
+import contextlib
 
 import torch
 from torch.autograd import forward_ad
 
 JVP_MODES = ("dual", "two_pass")
+_recorders: list[tuple[list, int]] = []  # (found, limit) of each open record_tangents block
 
 
 def check_jvp_mode(mode: str) -> str:
@@ -33,7 +38,27 @@ def jvp(fn, primals: tuple, tangents: tuple, *, mode: str):
     """(fn(*primals), d fn(*primals) along tangents); the tangent is detached."""
     if mode == "dual":
         out, tangent = _dual_call(fn, primals, tangents)
-        return out, tangent.detach()
-    with torch.no_grad():
-        _, tangent = _dual_call(fn, primals, tangents)
-    return fn(*primals), tangent
+        tangent = tangent.detach()
+    else:
+        with torch.no_grad():
+            _, tangent = _dual_call(fn, primals, tangents)
+        out = fn(*primals)
+    for found, limit in _recorders:
+        if len(found) < limit:
+            found.append(tangent.float().cpu())
+    return out, tangent
+
+
+@contextlib.contextmanager
+def record_tangents(limit: int = 1):
+    """Collect (float32, on the CPU) the tangents of the first `limit` jvp() calls inside the block.
+
+        with record_tangents() as tangents:
+            loss, _ = objective.loss(model, x, y)    # tangents[0]: MeanFlow's du/dt on this batch
+    """
+    entry = ([], limit)
+    _recorders.append(entry)
+    try:
+        yield entry[0]
+    finally:
+        _recorders.remove(entry)

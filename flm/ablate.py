@@ -1,0 +1,356 @@
+"""Attention backends side by side: the same training run with each, checked against `math`.
+
+    python -m flm.ablate                                       # DiT-Ti/7 MeanFlow, shipped MNIST, 50 steps
+    python -m flm.ablate model=DiT-B/2 objective=meanflow ablate.tokens=1024 trainer.batch_size=32 \\
+        trainer.max_steps=100 run_dir=ablations/dit-b2-meanflow-1024
+    python -m flm.ablate objective=flow_matching ablate.backends=[math,sdpa] trainer.precision=fp32
+
+Composed from configs/ablate.yaml: configs/train.yaml plus an `ablate:` section, so every train.py
+option works (model=, objective=, data=, trainer.batch_size=, trainer.max_steps=, trainer.seed=). Each
+backend trains through flm.train.train from the same seed (same initial weights, batches and noise)
+into run_dir/<backend>/ (metrics.jsonl, samples; the checkpoints are deleted). Compared with `math`:
+the loss curve (max |loss - loss_math| / mean |loss_math| over the steps; the curve is the objective's
+mse where it logs one, since MeanFlow's adaptive-weighted loss stays near 1), and the relative L2
+error of the gradient and, for MeanFlow and sCM, of the objective's JVP tangent (du/dt) in one loss
+evaluation on the first batch at math's final weights, the same for every backend (see probe()). A
+backend beyond a tolerance is flagged; one that cannot run here is a "skipped: <reason>" row.
+Writes run_dir/ablation.md (table), ablation.png (time and memory per backend, loss curves) and
+ablation.json (the numbers).
+"""
+
+import copy
+import dataclasses
+import gc
+import json
+import math
+import os
+import shutil
+import statistics
+
+import hydra
+import torch
+import torch.nn.functional as F
+from hydra.core.hydra_config import HydraConfig
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from flm import dist
+from flm.attention import BACKENDS
+from flm.data import DataConfig, Loader
+from flm.models import MODEL_SIZES
+from flm.objectives.jvp import record_tangents
+from flm.train import train
+from flm.train.cli import report_user_errors, user_error
+from flm.train.loop import amp_dtype
+
+# Default tolerances by compute precision: (loss, grad, tangent).
+TOLERANCES = {"bf16": (5e-2, 1e-2, 1e-2), "fp32": (1e-3, 1e-4, 1e-4)}
+
+
+# ----------------------------------------------------------------------------------------------
+# Data at a given token count
+# ----------------------------------------------------------------------------------------------
+
+
+class Resized(torch.utils.data.Dataset):
+    """A dataset's images resized (bilinear) to side x side."""
+
+    def __init__(self, dataset, side: int):
+        self.dataset, self.resolution = dataset, side
+        self.channels, self.num_classes = dataset.channels, dataset.num_classes
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitems__(self, indices):
+        x, y = self.dataset.__getitems__(indices)
+        return F.interpolate(x, size=(self.resolution, self.resolution), mode="bilinear", antialias=True), y
+
+
+@dataclasses.dataclass
+class ResizedData(DataConfig):
+    side: int | None = None  # None: the dataset's own size
+
+    def build(self):
+        dataset = super().build()
+        return dataset if self.side in (None, dataset.resolution) else Resized(dataset, self.side)
+
+
+def image_side(model: str, tokens: int | None) -> int | None:
+    """The image side that gives `tokens` patches with the model's patch size."""
+    if tokens is None:
+        return None
+    patch = MODEL_SIZES[model][3]
+    if tokens <= 0 or math.isqrt(tokens) ** 2 != tokens:
+        raise ValueError(f"ablate.tokens must be a square number (the image is a square grid of patches), "
+                         f"got {tokens}; e.g. 256, 1024 or 4096")
+    return patch * math.isqrt(tokens)
+
+
+# ----------------------------------------------------------------------------------------------
+# One training run per backend
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Result:
+    backend: str
+    skipped: str | None = None  # why it could not run here
+    curve: str = "loss"  # the metric in `losses`: mse where the objective logs it, else loss
+    losses: list[float] = dataclasses.field(default_factory=list)  # one per step
+    step_ms: float | None = None  # median after the warm-up steps
+    images_per_s: float | None = None
+    peak_gib: float | None = None  # CUDA only
+    grads: dict[str, torch.Tensor] | None = None  # from probe(), float32 on the CPU
+    tangent: torch.Tensor | None = None  # the objective's JVP tangent, from probe()
+    diffs: dict[str, float] = dataclasses.field(default_factory=dict)  # loss / grad / tangent vs math
+    drift: list[str] = dataclasses.field(default_factory=list)  # the diffs beyond their tolerance
+
+
+@dataclasses.dataclass
+class Trained:
+    """What probe() needs of a finished run: the model's arguments and the weights it ended with."""
+
+    model_args: dict
+    model: dict[str, torch.Tensor]
+    objective: dict[str, torch.Tensor]
+
+
+def train_with(cfg: DictConfig, backend: str, run_dir: str, side: int | None, warmup: int,
+               keep_weights: bool) -> tuple[Result, Trained | None]:
+    """Train with `backend` into run_dir; a backend that cannot run here (or runs out of memory) is skipped."""
+    cfg = copy.deepcopy(cfg)
+    cfg.attention.backend = backend
+    model_fn, objective = instantiate(cfg.model), instantiate(cfg.objective)
+    built = {}
+
+    def build_model(**kwargs):  # the loop's model, kept for its final weights
+        built["args"], built["model"] = kwargs, model_fn(**kwargs)
+        return built["model"]
+
+    build_model.keywords = model_fn.keywords  # the model options the loop records
+    data = ResizedData(**dataclasses.asdict(instantiate(cfg.data)), side=side)
+    try:
+        train(run_dir=run_dir, model_fn=build_model, objective=objective, data=data, optim=instantiate(cfg.optim),
+              trainer=instantiate(cfg.trainer), logger=instantiate(cfg.logger), attention=backend,
+              config=OmegaConf.to_container(cfg, resolve=True))
+    except Exception as e:
+        out_of_memory = isinstance(e, torch.cuda.OutOfMemoryError)
+        cause = user_error(e)
+        if cause is None and not out_of_memory:
+            raise
+        shutil.rmtree(run_dir, ignore_errors=True)
+        return Result(backend, skipped="out of memory" if out_of_memory else str(cause).splitlines()[0]), None
+    finally:
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    shutil.rmtree(os.path.join(run_dir, "checkpoints"), ignore_errors=True)  # weights are not what we compare
+
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    curve = "mse" if "mse" in records[0] else "loss"  # MeanFlow's adaptive-weighted loss stays near 1
+    median_ms = statistics.median([r["step_ms"] for r in records][warmup:] or [r["step_ms"] for r in records])
+    result = Result(backend, curve=curve, losses=[float(r[curve]) for r in records], step_ms=median_ms,
+                    images_per_s=cfg.trainer.batch_size * 1000 / median_ms,
+                    peak_gib=max((r["gpu_mem_gib"] for r in records if "gpu_mem_gib" in r), default=None))
+    cpu = lambda state: {k: v.detach().cpu().clone() for k, v in state.items()}  # noqa: E731
+    trained = Trained(built["args"], cpu(built["model"].state_dict()), cpu(objective.state_dict())) if keep_weights else None
+    return result, trained
+
+
+def probe(cfg: DictConfig, backend: str, trained: Trained, dataset, device: torch.device,
+          dtype: torch.dtype | None) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+    """Gradients and JVP tangent of one loss with `backend` at math's final weights, on the first batch.
+
+    Every backend gets the same weights, batch and noise, so the differences are the backend's alone.
+    (Not at the initial weights: DiT's zero-initialised gates and output layer keep attention out of
+    the first steps' output and gradients.)
+    """
+    model = instantiate(cfg.model)(**{**trained.model_args, "attention": backend})
+    model.load_state_dict(trained.model)
+    model.to(device)
+    objective = instantiate(cfg.objective)
+    objective.load_state_dict(trained.objective)
+    objective.to(device)
+    micro_batch = cfg.trainer.batch_size // cfg.trainer.grad_accum
+    x, y = Loader(dataset, batch_size=micro_batch, rank=0, world_size=1, seed=cfg.trainer.seed).next()
+    y = y.to(device) if trained.model_args["num_classes"] else None
+    torch.manual_seed(cfg.trainer.seed)
+    with record_tangents() as tangents, torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+        loss, _ = objective.loss(model, x.to(device), y, step=cfg.trainer.max_steps)
+    loss.backward()
+    grads = {name: p.grad.float().cpu() for name, p in model.named_parameters() if p.grad is not None}
+    return grads, tangents[0] if tangents else None
+
+
+# ----------------------------------------------------------------------------------------------
+# Agreement with math
+# ----------------------------------------------------------------------------------------------
+
+
+def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((a - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def compare(result: Result, ref: Result, tols: dict[str, float]) -> None:
+    """Fill result.diffs and result.drift (NaN counts as drift)."""
+    n = min(len(result.losses), len(ref.losses))
+    a, b = torch.tensor(result.losses[:n]), torch.tensor(ref.losses[:n])
+    result.diffs["loss"] = ((a - b).abs().max() / b.abs().mean().clamp_min(1e-30)).item()
+    names = [name for name in ref.grads if name in result.grads]
+    flat = lambda g: torch.cat([g[name].flatten() for name in names])  # noqa: E731
+    result.diffs["grad"] = rel_err(flat(result.grads), flat(ref.grads))
+    if ref.tangent is not None and result.tangent is not None:
+        result.diffs["tangent"] = rel_err(result.tangent, ref.tangent)
+    result.drift = [f"{k} {v:.1e} > {tols[k]:.0e}" for k, v in result.diffs.items() if not v <= tols[k]]
+
+
+# ----------------------------------------------------------------------------------------------
+# Table and plot
+# ----------------------------------------------------------------------------------------------
+
+
+def _fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def table(results: list[Result], title: str, lines: list[str], curve: str) -> str:
+    out = [f"# {title}", "", *lines, "",
+           f"| backend | ms / step (median) | images / s | peak GiB | final {curve} | {curve} diff | grad rel err "
+           "| tangent rel err | check |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        if r.skipped:
+            check = "skipped: " + r.skipped.replace("|", "\\|")
+        elif r.backend == "math":
+            check = "reference"
+        elif not r.diffs:
+            check = "no math reference"
+        else:
+            check = "**DRIFT**: " + "; ".join(r.drift) if r.drift else "ok"
+        peak = "n/a" if r.peak_gib is None and not r.skipped else _fmt(r.peak_gib, ".2f")
+        out.append(" | ".join([
+            f"| {r.backend}", _fmt(r.step_ms, ".1f"), _fmt(r.images_per_s, ".1f"), peak,
+            _fmt(r.losses[-1] if r.losses else None, ".4f"), _fmt(r.diffs.get("loss"), ".1e"),
+            _fmt(r.diffs.get("grad"), ".1e"), _fmt(r.diffs.get("tangent"), ".1e"), f"{check} |",
+        ]))
+    return "\n".join(out) + "\n"
+
+
+def plot(results: list[Result], title: str, path: str, curve: str) -> None:
+    try:
+        import matplotlib
+    except ImportError:
+        raise ImportError("the ablation plot needs matplotlib: pip install matplotlib") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ran = [r for r in results if not r.skipped]
+    names = [r.backend for r in ran]
+    fig, (ax_t, ax_m, ax_l) = plt.subplots(1, 3, figsize=(15, 4.2))
+    ax_t.bar(names, [r.step_ms for r in ran], color="tab:blue")
+    ax_t.set(title="step time (median)", ylabel="ms / step")
+    if any(r.peak_gib is not None for r in ran):
+        ax_m.bar(names, [r.peak_gib or 0 for r in ran], color="tab:orange")
+    else:
+        ax_m.text(0.5, 0.5, "n/a (no CUDA)", ha="center", va="center", transform=ax_m.transAxes)
+        ax_m.set(xticks=[], yticks=[])
+    ax_m.set(title="peak GPU memory", ylabel="GiB")
+    for r in ran:
+        ax_l.plot(range(1, len(r.losses) + 1), r.losses, label=r.backend, alpha=0.8)
+    ax_l.set(title=f"training {curve}", xlabel="step", ylabel=curve)
+    ax_l.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def environment(device: torch.device, dtype: torch.dtype | None) -> str:
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "not installed"
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    cuda = f", CUDA {torch.version.cuda}" if device.type == "cuda" else ""
+    return (f"{name}; torch {torch.__version__}{cuda}, triton {triton_version}; "
+            f"{'bf16 autocast' if dtype == torch.bfloat16 else 'fp32'}")
+
+
+# ----------------------------------------------------------------------------------------------
+# The ablation
+# ----------------------------------------------------------------------------------------------
+
+
+def ablate(cfg: DictConfig, run_dir: str, command: str = "python -m flm.ablate") -> list[Result]:
+    """Train with every backend of cfg.ablate.backends, compare with math, write the table and plot."""
+    a = cfg.ablate
+    backends = sorted(dict.fromkeys(a.backends), key=lambda b: b != "math")  # math first, no repeats
+    unknown = [b for b in backends if b not in BACKENDS]
+    if unknown:
+        raise ValueError(f"ablate.backends has unknown attention backend(s) {', '.join(unknown)}; "
+                         f"valid names: {', '.join(BACKENDS)}")
+    model = cfg.model.name
+    side = image_side(model, a.tokens)
+    device = dist.init(cfg.trainer.device)
+    dtype = amp_dtype(cfg.trainer.precision, device)
+    defaults = TOLERANCES["bf16" if dtype == torch.bfloat16 else "fp32"]
+    tols = {k: d if a[f"{k}_tol"] is None else float(a[f"{k}_tol"]) for k, d in zip(("loss", "grad", "tangent"), defaults)}
+    taken = [b for b in backends if os.path.exists(os.path.join(run_dir, b))]
+    if taken:
+        raise ValueError(f"run folder {run_dir!r} already has runs of {', '.join(taken)}; choose another run_dir")
+
+    results, reference = [], None
+    for backend in backends:
+        dist.info0(f"ablation: {backend}")
+        result, trained = train_with(cfg, backend, os.path.join(run_dir, backend), side, a.warmup,
+                                     keep_weights=backend == "math")
+        results.append(result)
+        reference = reference or trained
+    if reference is not None:  # after all the runs, so that the probes add nothing to their peak memory
+        dataset = ResizedData(**dataclasses.asdict(instantiate(cfg.data)), side=side).build()
+        for r in results:
+            if not r.skipped:
+                r.grads, r.tangent = probe(cfg, r.backend, reference, dataset, device, dtype)
+        for r in results[1:]:
+            if not r.skipped:
+                compare(r, results[0], tols)
+
+    curve = next((r.curve for r in results if not r.skipped), "loss")
+    tokens = a.tokens or "native"
+    title = (f"Attention backends: {model}, {cfg.objective.name}, {tokens} tokens, batch {cfg.trainer.batch_size}, "
+             f"{cfg.trainer.max_steps} steps, seed {cfg.trainer.seed}")
+    lines = [
+        f"Device: {environment(device, dtype)}.",
+        f"Data: {cfg.data.name}" + (f" resized to {side}x{side}" if side else "") + ".",
+        f"Agreement with math: {curve} diff = max |{curve} - {curve}_math| / mean |{curve}_math| over the steps "
+        f"(tolerance {tols['loss']:.0e}); grad and tangent rel err: relative L2 error of the gradient "
+        f"({tols['grad']:.0e}) and of the objective's JVP tangent ({tols['tangent']:.0e}) in one loss on the first "
+        f"batch at math's final weights. Step time: median after {a.warmup} warm-up steps.",
+        f"Command: `{command}`",
+    ]
+    with open(os.path.join(run_dir, "ablation.md"), "w") as f:
+        f.write(table(results, title, lines, curve))
+    plot(results, title, os.path.join(run_dir, "ablation.png"), curve)
+    numbers = [{f.name: getattr(r, f.name) for f in dataclasses.fields(r) if f.name not in ("grads", "tangent")}
+               for r in results]
+    with open(os.path.join(run_dir, "ablation.json"), "w") as f:
+        json.dump({"title": title, "command": command, "tolerances": tols, "results": numbers}, f, indent=1)
+    dist.info0(f"ablation: {os.path.join(run_dir, 'ablation.md')} and ablation.png")
+    return results
+
+
+@hydra.main(config_path="../configs", config_name="ablate", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    hydra_cfg = HydraConfig.get()
+    run_dir = hydra_cfg.runtime.output_dir
+    command = " ".join(["python -m flm.ablate", *hydra_cfg.overrides.task])
+    with report_user_errors(run_dir):
+        ablate(cfg, run_dir, command)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,84 @@
+"""flm.ablate on the CPU: every backend in the table (flash skipped), the flags, the plot; and the
+per-backend metrics of `train.py -m attention=...`."""
+
+import json
+import math
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from flm.ablate import Result, ablate, compare, image_side
+
+from .train.conftest import ROOT, TINY, run_script
+
+# DiT-T/2 on 4x4 patches, 3 steps; a large learning rate so attention counts by the end (DiT's zero-init
+# gates keep it out of the first steps).
+ABLATE = [
+    "model=DiT-T/2", "ablate.tokens=16", "trainer.batch_size=4", "trainer.max_steps=3", "trainer.sample_n=2",
+    "trainer.sample_steps=1", "trainer.device=cpu", "optim.lr=1e-2", "optim.warmup_steps=0", "ablate.warmup=1",
+]
+
+
+def row(md: str, backend: str) -> list[str]:
+    (line,) = [line for line in md.splitlines() if line.startswith(f"| {backend} |")]
+    return [cell.strip() for cell in line.strip("|").split(" | ")]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU rows (flash skipped)")
+def test_ablation_table_plot_and_flags(tmp_path):
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        cfg = compose(config_name="ablate", overrides=ABLATE + ["ablate.grad_tol=1e-30"])  # this flag must fire
+    ablate(cfg, str(tmp_path), command="pytest")
+    md = (tmp_path / "ablation.md").read_text()
+    assert [line.split(" | ")[0] for line in md.splitlines() if line.startswith("| ") and "---" not in line] == [
+        "| backend", "| math", "| sdpa", "| flash", "| triton_jvp"]
+    assert row(md, "math")[-1] == "reference" and float(row(md, "math")[1]) > 0
+    assert row(md, "flash")[-1].startswith("skipped: attention backend 'flash' needs a CUDA GPU")
+    for backend in ("sdpa", "triton_jvp"):
+        cells = row(md, backend)
+        assert cells[3] == "n/a"  # peak GPU memory on the CPU
+        mse_diff, grad_err, tangent_err = (float(c) for c in cells[5:8])
+        assert mse_diff < 1e-3 and 0 < grad_err < 1e-4 and tangent_err < 1e-4  # agrees with math in fp32...
+        assert cells[-1].startswith("**DRIFT**: grad") and "tangent" not in cells[-1]  # ...but not within 1e-30
+    assert (tmp_path / "ablation.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    numbers = json.loads((tmp_path / "ablation.json").read_text())
+    assert [len(r["losses"]) for r in numbers["results"]] == [3, 3, 0, 3]
+    assert not (tmp_path / "math" / "checkpoints").exists() and (tmp_path / "math" / "metrics.jsonl").is_file()
+
+
+def test_compare_flags_drift_and_nan():
+    ref = Result("math", losses=[1.0, 0.5], grads={"w": torch.ones(4)}, tangent=torch.ones(4))
+    tols = {"loss": 1e-3, "grad": 1e-4, "tangent": 1e-4}
+    close = Result("sdpa", losses=[1.0, 0.5], grads={"w": torch.ones(4) * (1 + 1e-5)}, tangent=torch.ones(4))
+    compare(close, ref, tols)
+    assert close.drift == [] and close.diffs["grad"] == pytest.approx(1e-5, rel=0.1)
+    far = Result("x", losses=[1.0, math.nan], grads={"w": torch.ones(4) * 1.1}, tangent=torch.zeros(4))
+    compare(far, ref, tols)
+    assert [d.split()[0] for d in far.drift] == ["loss", "grad", "tangent"]
+
+
+def test_tokens_must_be_square():
+    assert image_side("DiT-B/2", 1024) == 64 and image_side("DiT-T/4", None) is None
+    with pytest.raises(ValueError, match="ablate.tokens must be a square number.*got 1000"):
+        image_side("DiT-B/2", 1000)
+
+
+def test_multirun_records_metrics_per_backend(tmp_path):
+    rc, out, err = run_script("train", "-m", *TINY, "trainer.max_steps=2", "trainer.log_every=1",
+                              "attention=math,flash,sdpa", f"hydra.sweep.dir={tmp_path}")
+    if torch.cuda.is_available():
+        pytest.skip("checks that flash fails its job on a machine without CUDA")
+    assert rc == 1 and "error: 1 job(s) failed" in err and "job 1 (" in err and "'flash' needs a CUDA GPU" in err
+    assert not (tmp_path / "1").exists()  # the failed job leaves nothing; the one after it still ran
+    for job in ("0", "2"):
+        records = [json.loads(line) for line in (tmp_path / job / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in records] == [1, 2]
+        assert all(r["step_ms"] > 0 and r["images_per_s"] > 0 and math.isfinite(r["loss"]) for r in records)
+
+
+def test_unknown_backend_is_an_error_not_a_row(tmp_path):
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        cfg = compose(config_name="ablate", overrides=ABLATE + ["ablate.backends=[math,fast]"])
+    with pytest.raises(ValueError, match="unknown attention backend.*fast; valid names: math, sdpa"):
+        ablate(cfg, str(tmp_path))
