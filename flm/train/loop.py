@@ -48,7 +48,7 @@ class TrainerConfig:
     device: str = "auto"  # auto | cpu | cuda
     precision: str = "auto"  # auto (bf16 autocast on CUDA, fp32 on CPU) | bf16 | fp32
     compile: bool = False  # torch.compile the model (see DESIGN.md: JVP steps may not compile)
-    parallel: str = "ddp"  # under torchrun: ddp | fsdp (FSDP2 fully_shard)
+    parallel: str = "ddp"  # under torchrun: ddp (FSDP2 is not supported yet)
     class_conditional: bool = True  # condition on the dataset's labels (enables cfg_scale when sampling)
     ema_decays: list[float] = field(default_factory=lambda: [0.999])
     log_every: int = 50
@@ -73,8 +73,13 @@ class TrainerConfig:
                 raise ValueError(f"trainer.{name} must be >= 0 (0 = at the end only / keep all), got {getattr(self, name)}")
         if self.precision not in ("auto", "bf16", "fp32"):
             raise ValueError(f"trainer.precision must be auto, bf16 or fp32, got {self.precision!r}")
-        if self.parallel not in ("ddp", "fsdp"):
-            raise ValueError(f"trainer.parallel must be ddp or fsdp, got {self.parallel!r}")
+        if self.parallel == "fsdp":
+            raise ValueError(
+                "trainer.parallel=fsdp (FSDP2) is not supported yet: its hooks reject forward-AD dual tensors "
+                "and flm's checkpoints and EMA are not sharding-aware; use trainer.parallel=ddp"
+            )
+        if self.parallel != "ddp":
+            raise ValueError(f"trainer.parallel must be ddp, got {self.parallel!r}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -107,16 +112,10 @@ def check_attention(name: str, device: torch.device, dtype: torch.dtype | None) 
     get_attention(name).check_available(probe)
 
 
-def wrap(model: nn.Module, parallel: str, device: torch.device) -> nn.Module:
-    """DDP or FSDP2 under torchrun; the model itself on one process."""
+def wrap(model: nn.Module, device: torch.device) -> nn.Module:
+    """DDP under torchrun; the model itself on one process."""
     if dist.world_size() == 1:
         return model
-    if parallel == "fsdp":
-        from torch.distributed.fsdp import fully_shard
-
-        for block in getattr(model, "blocks", []):
-            fully_shard(block)
-        return fully_shard(model)
     return nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
 
 
@@ -126,18 +125,7 @@ def grad_sync(model: nn.Module, enabled: bool):
         return contextlib.nullcontext()
     if hasattr(model, "no_sync"):  # DDP
         return model.no_sync()
-    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
-        model.set_requires_gradient_sync(False)
-        return _restore_sync(model)
     return contextlib.nullcontext()
-
-
-@contextlib.contextmanager
-def _restore_sync(model):
-    try:
-        yield
-    finally:
-        model.set_requires_gradient_sync(True)
 
 
 def rng_state(device: torch.device) -> dict:
@@ -214,7 +202,7 @@ def train(*, run_dir: str, model_fn, objective, data: DataConfig, optim: OptimCo
         objective.to(device)
     objective_params = list(objective.parameters()) if isinstance(objective, nn.Module) else []
     ema = EMA(raw, trainer.ema_decays)
-    model = wrap(raw, trainer.parallel, device)
+    model = wrap(raw, device)
     if trainer.compile:
         model = torch.compile(model)
     params = [p for p in raw.parameters() if p.requires_grad] + objective_params

@@ -119,3 +119,14 @@ def test_nonfinite_in_a_row_stops(tmp_path, cfg_of):
     with pytest.raises(FloatingPointError, match="2 non-finite steps in a row .* Lower optim.lr"):
         train_flaky(tmp_path, cfg_of, nan_steps=None, extra=["trainer.max_nonfinite=2"])
     assert not checkpoint.list_checkpoints(str(tmp_path))
+
+
+@pytest.mark.parametrize(
+    "parallel, match",
+    [("fsdp", "FSDP2\\) is not supported yet.*use trainer.parallel=ddp"), ("zero", "must be ddp, got 'zero'")],
+)
+def test_unsupported_parallel_modes_are_refused(parallel, match):
+    from flm.train.loop import TrainerConfig
+
+    with pytest.raises(ValueError, match=match):
+        TrainerConfig(parallel=parallel)
