@@ -110,8 +110,7 @@ def check_in_sync(step: int, *modules) -> None:
 
     Data parallelism keeps every replica bit-identical: each rank applies the same all-reduced
     gradients. A per-tensor checksum (float64 sum and sum of squares) that differs between ranks means
-    a gradient all-reduce was skipped, which nothing else reports. Parameters sharded by FSDP2 (DTensors
-    with a Shard placement) have a single owner and are not compared.
+    a gradient all-reduce was skipped, which nothing else reports.
     """
     if not is_initialized():
         return
@@ -119,10 +118,6 @@ def check_in_sync(step: int, *modules) -> None:
     named = [(f"{type(m).__name__}.{n}", p) for m in modules if isinstance(m, torch.nn.Module)
              for n, p in m.named_parameters()]
     for name, p in named:
-        if hasattr(p, "placements"):  # DTensor
-            if not all(pl.is_replicate() for pl in p.placements):
-                continue
-            p = p.to_local()
         p = p.detach().double()
         names.append(name)
         sums.append(torch.stack([p.sum(), p.square().sum()]))

@@ -23,9 +23,6 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
-
 
 # ---------------------------------------------------------------------------------------------
 # Kernels
@@ -288,4 +285,4 @@ def attention_fwd(q, k, v, tq=None, tk=None, tv=None, *, causal: bool, scale: fl
     return o, to if has_tangent else None, lse
 
 
-__all__ = ["attention_fwd", "check_head_dim", "interpreted", "SUPPORTED_HEAD_DIMS", "LOG2E", "LN2"]
+__all__ = ["attention_fwd", "check_head_dim", "interpreted", "SUPPORTED_HEAD_DIMS"]
