@@ -48,6 +48,7 @@ def parse_args(argv=None):
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--out", default=None, help="also write the table (Markdown) to this file")
+    p.add_argument("--profile", action="store_true", help="print torch.profiler's top kernels for each row")
     p.add_argument("--tiny", action="store_true", help="CPU smoke check: DiT-T/2, 16 tokens, fp32, 2 steps")
     args = p.parse_args(argv)
     if args.tiny:
@@ -100,14 +101,29 @@ def measure(model_name, tokens, objective_name, backend, mode, args, device, dty
     _sync(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    times = []
+    times, host = [], []
     for i in range(args.iters):
         t0 = time.perf_counter()
         step(i)
+        host.append(1e3 * (time.perf_counter() - t0))  # ~ times: the step is bound by Python, not the GPU
         _sync(device)
         times.append(1e3 * (time.perf_counter() - t0))
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
-    return statistics.median(times), peak, batch
+    if args.profile:
+        _profile(step, device)
+    return statistics.median(times), statistics.median(host), peak, batch
+
+
+def _profile(step, device, rows: int = 12):
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for i in range(2):
+            step(i)
+        _sync(device)
+    sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+    print(prof.key_averages().table(sort_by=sort, row_limit=rows), flush=True)
 
 
 def rows_to_run(args):
@@ -140,20 +156,20 @@ def main(argv=None):
         "",
         "Flow-matching rows run the row's backend on plain tensors (triton_jvp: Triton FlashAttention forward "
         "+ FA2 backward); `sdpa` is PyTorch SDPA. Ratios: to flow matching with the same backend, and to "
-        "flow matching with SDPA.",
+        "flow matching with SDPA. host ms: time for Python to issue the step (close to ms / step: host-bound).",
         "",
-        "| model | tokens x batch | objective | attention | JVP mode | ms / step | peak GiB | time / FM | mem / FM | time / FM sdpa | mem / FM sdpa |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| model | tokens x batch | objective | attention | JVP mode | ms / step | host ms | peak GiB | time / FM | mem / FM | time / FM sdpa | mem / FM sdpa |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     print("\n".join(header), flush=True)
     lines, fm = list(header), {}
     for model_name, tokens, objective, backend, mode in rows_to_run(args):
         try:
-            ms, peak, batch = measure(model_name, tokens, objective, backend, mode, args, device, dtype)
+            ms, host, peak, batch = measure(model_name, tokens, objective, backend, mode, args, device, dtype)
         except Exception as err:  # noqa: BLE001 - OOM (and only OOM) becomes a table entry
             if not _is_oom(err):
                 raise
-            ms = peak = None
+            ms = host = peak = None
             batch = max(1, args.batch_tokens // tokens)
         finally:
             gc.collect()
@@ -165,7 +181,7 @@ def main(argv=None):
         sdpa = fm.get((model_name, tokens, "sdpa"), (None, None))
         cells = [
             model_name, f"{tokens} x {batch}", objective, backend, mode,
-            "OOM" if ms is None else f"{ms:.1f}", "OOM" if peak is None else ("n/a" if math.isnan(peak) else f"{peak:.2f}"),
+            "OOM" if ms is None else f"{ms:.1f}", "-" if host is None else f"{host:.1f}", "OOM" if peak is None else ("n/a" if math.isnan(peak) else f"{peak:.2f}"),
             _ratio(ms, base[0]), _ratio(peak, base[1]), _ratio(ms, sdpa[0]), _ratio(peak, sdpa[1]),
         ]
         line = "| " + " | ".join(cells) + " |"
