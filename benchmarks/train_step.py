@@ -7,11 +7,14 @@ row's attention backend on plain tensors (triton_jvp: its Triton FlashAttention 
 backward; math: eager). One extra flow-matching row per model/tokens uses PyTorch SDPA (`sdpa`), the
 fastest plain baseline. Ratios: to the flow-matching step of the same model/tokens/backend, and to
 the SDPA flow-matching step. Median of --iters timed steps after --warmup steps (Triton autotuning
-happens in the warm-up). A row that runs out of memory prints OOM.
+happens in the warm-up). A row that runs out of memory prints OOM. `--exec graph` replays the loss and
+backward as one CUDA graph (flm.train.graphs; the optimizer stays eager), which takes Python's kernel
+issuing out of the step time: eager DiT-B steps are host-bound (see the host ms column).
 
     PYTHONPATH=. python benchmarks/train_step.py                                    # full table (H200)
     PYTHONPATH=. python benchmarks/train_step.py --models DiT-B/2 --tokens 1024,4096 --backends triton_jvp
     PYTHONPATH=. python benchmarks/train_step.py --objectives flow_matching,meanflow --modes dual --out docs/x.md
+    PYTHONPATH=. python benchmarks/train_step.py --exec eager,graph --models DiT-B/2 --tokens 1024
     PYTHONPATH=. python benchmarks/train_step.py --tiny                             # CPU smoke check
 """
 
@@ -29,6 +32,7 @@ if not torch.cuda.is_available():
 
 from flm.models import build_model  # noqa: E402
 from flm.objectives import build_objective  # noqa: E402
+from flm.train.graphs import GraphedStep  # noqa: E402
 
 JVP_OBJECTIVES = ("meanflow", "scm")
 
@@ -48,6 +52,7 @@ def parse_args(argv=None):
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--out", default=None, help="also write the table (Markdown) to this file")
+    p.add_argument("--exec", type=csv, default=["eager"], help="eager and/or graph (loss + backward as one CUDA graph)")
     p.add_argument("--profile", action="store_true", help="print torch.profiler's top kernels for each row")
     p.add_argument("--tiny", action="store_true", help="CPU smoke check: DiT-T/2, 16 tokens, fp32, 2 steps")
     args = p.parse_args(argv)
@@ -66,7 +71,7 @@ def _is_oom(err: Exception) -> bool:
     return isinstance(err, torch.cuda.OutOfMemoryError) or "out of memory" in str(err).lower()
 
 
-def measure(model_name, tokens, objective_name, backend, mode, args, device, dtype):
+def measure(model_name, tokens, objective_name, backend, mode, execution, args, device, dtype):
     """(ms per step, peak GiB) of one configuration; raises on OOM."""
     from flm.models import MODEL_SIZES
 
@@ -89,10 +94,16 @@ def measure(model_name, tokens, objective_name, backend, mode, args, device, dty
     y = torch.randint(0, args.num_classes, (batch,), device=device, generator=g)
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
 
-    def step(i):
+    def loss_and_backward(x, y):
         with autocast:
-            loss, _ = objective.loss(model, x, y, step=10**6 + i)  # past sCM's tangent warm-up
+            loss, metrics = objective.loss(model, x, y, step=10**6)  # past sCM's tangent warm-up
         loss.backward()
+        return loss, metrics
+
+    forward_backward = GraphedStep(loss_and_backward, params) if execution == "graph" else loss_and_backward
+
+    def step(i):
+        forward_backward(x, y)
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -130,12 +141,13 @@ def rows_to_run(args):
     """(model, tokens, objective, backend, mode) in table order; flow matching first in each group."""
     for model_name in args.models:
         for tokens in args.tokens:
-            if "flow_matching" in args.objectives and not args.no_sdpa_baseline:
-                yield model_name, tokens, "flow_matching", "sdpa", "-"
-            for backend in args.backends:
-                for objective in args.objectives:
-                    for mode in args.modes if objective in JVP_OBJECTIVES else ["-"]:
-                        yield model_name, tokens, objective, backend, mode
+            for execution in args.exec:
+                if "flow_matching" in args.objectives and not args.no_sdpa_baseline:
+                    yield model_name, tokens, "flow_matching", "sdpa", "-", execution
+                for backend in args.backends:
+                    for objective in args.objectives:
+                        for mode in args.modes if objective in JVP_OBJECTIVES else ["-"]:
+                            yield model_name, tokens, objective, backend, mode, execution
 
 
 def _ratio(a, b):
@@ -158,14 +170,14 @@ def main(argv=None):
         "+ FA2 backward); `sdpa` is PyTorch SDPA. Ratios: to flow matching with the same backend, and to "
         "flow matching with SDPA. host ms: time for Python to issue the step (close to ms / step: host-bound).",
         "",
-        "| model | tokens x batch | objective | attention | JVP mode | ms / step | host ms | peak GiB | time / FM | mem / FM | time / FM sdpa | mem / FM sdpa |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| model | tokens x batch | exec | objective | attention | JVP mode | ms / step | host ms | peak GiB | time / FM | mem / FM | time / FM sdpa | mem / FM sdpa |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     print("\n".join(header), flush=True)
     lines, fm = list(header), {}
-    for model_name, tokens, objective, backend, mode in rows_to_run(args):
+    for model_name, tokens, objective, backend, mode, execution in rows_to_run(args):
         try:
-            ms, host, peak, batch = measure(model_name, tokens, objective, backend, mode, args, device, dtype)
+            ms, host, peak, batch = measure(model_name, tokens, objective, backend, mode, execution, args, device, dtype)
         except Exception as err:  # noqa: BLE001 - OOM (and only OOM) becomes a table entry
             if not _is_oom(err):
                 raise
@@ -176,11 +188,11 @@ def main(argv=None):
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         if objective == "flow_matching":
-            fm[model_name, tokens, backend] = (ms, peak)
-        base = fm.get((model_name, tokens, backend), (None, None))
-        sdpa = fm.get((model_name, tokens, "sdpa"), (None, None))
+            fm[model_name, tokens, backend, execution] = (ms, peak)
+        base = fm.get((model_name, tokens, backend, execution), (None, None))
+        sdpa = fm.get((model_name, tokens, "sdpa", execution), (None, None))
         cells = [
-            model_name, f"{tokens} x {batch}", objective, backend, mode,
+            model_name, f"{tokens} x {batch}", execution, objective, backend, mode,
             "OOM" if ms is None else f"{ms:.1f}", "-" if host is None else f"{host:.1f}", "OOM" if peak is None else ("n/a" if math.isnan(peak) else f"{peak:.2f}"),
             _ratio(ms, base[0]), _ratio(peak, base[1]), _ratio(ms, sdpa[0]), _ratio(peak, sdpa[1]),
         ]

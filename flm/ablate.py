@@ -9,8 +9,9 @@ Composed from configs/ablate.yaml: configs/train.yaml plus an `ablate:` section,
 option works (model=, objective=, data=, trainer.batch_size=, trainer.max_steps=, trainer.seed=). Each
 backend trains through flm.train.train from the same seed (same initial weights, batches and noise)
 into run_dir/<backend>/ (metrics.jsonl, samples; the checkpoints are deleted). Compared with `math`:
-the loss curve (max |loss - loss_math| / mean |loss_math| over the steps; the curve is the objective's
-mse where it logs one, since MeanFlow's adaptive-weighted loss stays near 1), and the relative L2
+the loss curve (|mean - mean_math| / mean_math over the last quarter of the steps, flagged beyond the
+tolerance and beyond 3 standard errors of the per-step scatter; the curve is the objective's mse where
+it logs one, since MeanFlow's adaptive-weighted loss stays near 1), and the relative L2
 error of the gradient and, for MeanFlow and sCM, of the objective's JVP tangent (du/dt) in one loss
 evaluation on the first batch at math's final weights, the same for every backend (see probe()). A
 backend beyond a tolerance is flagged; one that cannot run here is a "skipped: <reason>" row.
@@ -104,6 +105,7 @@ class Result:
     grads: dict[str, torch.Tensor] | None = None  # from probe(), float32 on the CPU
     tangent: torch.Tensor | None = None  # the objective's JVP tangent, from probe()
     diffs: dict[str, float] = dataclasses.field(default_factory=dict)  # loss / grad / tangent vs math
+    loss_noise: float = 0.0  # standard error of diffs["loss"] (per-step scatter of the two curves)
     drift: list[str] = dataclasses.field(default_factory=list)  # the diffs beyond their tolerance
 
 
@@ -195,15 +197,30 @@ def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
 
 def compare(result: Result, ref: Result, tols: dict[str, float]) -> None:
     """Fill result.diffs and result.drift (NaN counts as drift)."""
-    n = min(len(result.losses), len(ref.losses))
-    a, b = torch.tensor(result.losses[:n]), torch.tensor(ref.losses[:n])
-    result.diffs["loss"] = ((a - b).abs().max() / b.abs().mean().clamp_min(1e-30)).item()
+    result.diffs["loss"], result.loss_noise = loss_gap(result.losses, ref.losses)
     names = [name for name in ref.grads if name in result.grads]
     flat = lambda g: torch.cat([g[name].flatten() for name in names])  # noqa: E731
     result.diffs["grad"] = rel_err(flat(result.grads), flat(ref.grads))
     if ref.tangent is not None and result.tangent is not None:
         result.diffs["tangent"] = rel_err(result.tangent, ref.tangent)
-    result.drift = [f"{k} {v:.1e} > {tols[k]:.0e}" for k, v in result.diffs.items() if not v <= tols[k]]
+    # the loss gap counts only beyond 3 standard errors: past the first steps, bf16 runs of different
+    # kernels follow different (equally good) trajectories, and per-batch losses scatter around them
+    limits = {**tols, "loss": max(tols["loss"], 3 * result.loss_noise)}
+    result.drift = [f"{k} {v:.1e} > {limits[k]:.0e}" for k, v in result.diffs.items() if not v <= limits[k]]
+
+
+def loss_gap(losses: list[float], ref: list[float]) -> tuple[float, float]:
+    """(|mean - mean_ref| / mean_ref, its standard error) over the last quarter of the steps.
+
+    A step-by-step maximum would flag every bf16 backend: trajectories that agree to 1e-3 in the first
+    steps (see the gradient check) drift apart chaotically, so the comparison is of where training got to.
+    """
+    n = min(len(losses), len(ref))
+    q = max(1, n // 4)
+    a, b = torch.tensor(losses[n - q:n], dtype=torch.float64), torch.tensor(ref[n - q:n], dtype=torch.float64)
+    scale = b.mean().abs().clamp_min(1e-30)
+    var = (a.var() + b.var()) / q if q > 1 else torch.zeros((), dtype=torch.float64)
+    return ((a.mean() - b.mean()).abs() / scale).item(), (var.sqrt() / scale).item()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -232,7 +249,8 @@ def table(results: list[Result], title: str, lines: list[str], curve: str) -> st
         peak = "n/a" if r.peak_gib is None and not r.skipped else _fmt(r.peak_gib, ".2f")
         out.append(" | ".join([
             f"| {r.backend}", _fmt(r.step_ms, ".1f"), _fmt(r.images_per_s, ".1f"), peak,
-            _fmt(r.losses[-1] if r.losses else None, ".4f"), _fmt(r.diffs.get("loss"), ".1e"),
+            _fmt(r.losses[-1] if r.losses else None, ".4f"),
+            "-" if "loss" not in r.diffs else f"{r.diffs['loss']:.1e} ± {r.loss_noise:.0e}",
             _fmt(r.diffs.get("grad"), ".1e"), _fmt(r.diffs.get("tangent"), ".1e"), f"{check} |",
         ]))
     return "\n".join(out) + "\n"
@@ -326,8 +344,9 @@ def ablate(cfg: DictConfig, run_dir: str, command: str = "python -m flm.ablate")
     lines = [
         f"Device: {environment(device, dtype)}.",
         f"Data: {cfg.data.name}" + (f" resized to {side}x{side}" if side else "") + ".",
-        f"Agreement with math: {curve} diff = max |{curve} - {curve}_math| / mean |{curve}_math| over the steps "
-        f"(tolerance {tols['loss']:.0e}); grad and tangent rel err: relative L2 error of the gradient "
+        f"Agreement with math: {curve} diff = |mean {curve} - mean {curve}_math| / mean {curve}_math over the last "
+        f"quarter of the steps ± its standard error (flagged beyond {tols['loss']:.0e} and 3 standard errors: bf16 "
+        f"runs with different kernels follow different trajectories); grad and tangent rel err: relative L2 error of the gradient "
         f"({tols['grad']:.0e}) and of the objective's JVP tangent ({tols['tangent']:.0e}) in one loss on the first "
         f"batch at math's final weights. Step time: median after {a.warmup} warm-up steps.",
         f"Command: `{command}`",

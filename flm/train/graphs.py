@@ -1,0 +1,70 @@
+"""A training step's loss and backward replayed as one CUDA graph.
+
+At DiT-B sizes an eager step is bound by Python issuing kernels, not by the GPU (benchmarks/train_step.py
+prints both times), and a JVP step issues about twice the kernels of a flow-matching step. torch.compile
+cannot take the JVP path (Dynamo refuses autograd.Functions with a `jvp` rule), so flm captures the eager
+step instead: PyTorch's "whole-network capture" (torch.cuda.graphs), with the optimizer left outside so
+that the loop can still check the gradients and clip them before stepping.
+
+    graphed = GraphedStep(step_fn, params)          # step_fn(x, y) -> (loss, metrics); calls backward
+    loss, metrics = graphed(x, y)                    # copies x, y into the graph's inputs and replays
+    optimizer.step()
+
+Constraints (checked where they can be): CUDA; fixed input shapes; everything inside step_fn on the
+GPU with no host synchronisation; Python values read inside step_fn (say a warm-up factor that depends
+on the step) are frozen at capture. Random ops draw fresh numbers on every replay (PyTorch registers the
+default CUDA generator with the graph).
+"""
+
+import torch
+
+
+class GraphedStep:
+    def __init__(self, step_fn, params, *, warmup: int = 3):
+        """step_fn(*inputs) -> (loss, metrics dict of tensors), with the backward inside.
+
+        warmup: eager calls on a side stream before capture (Triton autotuning, cuDNN and allocator
+        warm-up must not happen inside the graph); their gradients are discarded.
+        """
+        self.step_fn, self.params, self.warmup = step_fn, [p for p in params if p.requires_grad], warmup
+        self.graph = self.static_inputs = self.static_out = self.grads = None
+
+    def _capture(self, inputs) -> None:
+        for name, x in inputs:
+            if not x.is_cuda:
+                raise ValueError(f"CUDA-graph steps need CUDA inputs, got {name} on {x.device}; set trainer.cuda_graph=false")
+        self.static_inputs = [x.clone() for _, x in inputs]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(self.warmup):
+                self._zero_grads()
+                self.step_fn(*self.static_inputs)
+        torch.cuda.current_stream().wait_stream(side)
+        self._zero_grads()  # the gradients must be allocated inside the graph's memory pool
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.static_out = self.step_fn(*self.static_inputs)
+        self.grads = [p.grad for p in self.params]
+
+    def _zero_grads(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def __call__(self, *inputs):
+        named = [(f"input {i}", x) for i, x in enumerate(inputs)]
+        if self.graph is None:
+            self._capture(named)
+        else:
+            for (name, x), static in zip(named, self.static_inputs):
+                if x.shape != static.shape or x.dtype != static.dtype:
+                    raise ValueError(
+                        f"{name} has shape {tuple(x.shape)} and dtype {x.dtype}, but the CUDA graph was captured for "
+                        f"{tuple(static.shape)} and {static.dtype}; keep the batch shape fixed (drop the last partial batch)"
+                    )
+                static.copy_(x, non_blocking=True)
+        self.graph.replay()
+        # replay rewrites the captured gradient buffers; re-attach them in case the caller set .grad to None
+        for p, g in zip(self.params, self.grads):
+            p.grad = g
+        return self.static_out
