@@ -9,6 +9,7 @@ import os
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 log = logging.getLogger("flm")
 
@@ -111,6 +112,11 @@ def check_in_sync(step: int, *modules) -> None:
     Data parallelism keeps every replica bit-identical: each rank applies the same all-reduced
     gradients. A per-tensor checksum (float64 sum and sum of squares) that differs between ranks means
     a gradient all-reduce was skipped, which nothing else reports.
+
+    Under FSDP2 only the replicated tensors are compared (the objective's parameters, or any DTensor
+    with replicated placements). A sharded parameter has one owner per slice and no second copy to
+    compare with; checksums of p.full_tensor() would agree by construction, since it is an all-gather
+    of those slices.
     """
     if not is_initialized():
         return
@@ -118,6 +124,10 @@ def check_in_sync(step: int, *modules) -> None:
     named = [(f"{type(m).__name__}.{n}", p) for m in modules if isinstance(m, torch.nn.Module)
              for n, p in m.named_parameters()]
     for name, p in named:
+        if isinstance(p, DTensor):
+            if not all(placement.is_replicate() for placement in p.placements):
+                continue
+            p = p.to_local()
         p = p.detach().double()
         names.append(name)
         sums.append(torch.stack([p.sum(), p.square().sum()]))

@@ -3,6 +3,11 @@
 A bundle is a dict: model, ema ({decay: state}), optimizer, scheduler, objective, step, rng, data
 (loader position), nonfinite (skipped-step counters), model_args (what build_model was called with)
 and config (the resolved Hydra config of the run, as plain containers).
+
+Model, EMA and optimizer state hold whole tensors on the CPU, gathered from FSDP2's shards where the
+run was sharded (model_state, optimizer_state), so one bundle resumes under one process, DDP or FSDP2,
+with any number of ranks. The optimizer keeps torch.optim's layout (parameters numbered in the
+optimizer's order).
 """
 
 import glob
@@ -10,6 +15,13 @@ import os
 import re
 
 import torch
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 FORMAT = 1
 _NAME = re.compile(r"ckpt-(\d+)\.pt$")
@@ -81,3 +93,46 @@ def check_model_args(path: str, saved: dict, current: dict) -> None:
             f"checkpoint {path!r} is for another model ({detail}); pass the model/data options the run "
             f"was trained with (e.g. model={saved.get('name')}) or start a new run folder"
         )
+
+
+# ----------------------------------------------------------------------------------------------
+# Whole-tensor state of sharded or unsharded modules. Every rank must call these (under FSDP2 they
+# all-gather the shards); the getters return the state on rank 0 and {} on the others.
+# ----------------------------------------------------------------------------------------------
+
+_GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True)
+_SCATTER = StateDictOptions(full_state_dict=True)  # every rank has read the whole bundle: no broadcast
+
+
+def model_state(model) -> dict:
+    """model.state_dict() with whole tensors on the CPU."""
+    return get_model_state_dict(model, options=_GATHER)
+
+
+def load_model_state(model, state: dict) -> None:
+    """Load model_state()'s whole tensors into `model`, each rank keeping its shards."""
+    set_model_state_dict(model, state, options=_SCATTER)
+
+
+def optimizer_state(modules, opt) -> dict:
+    """opt.state_dict() with whole tensors on the CPU; `modules` holds every parameter of `opt`."""
+    named = get_optimizer_state_dict(modules, opt, options=_GATHER)  # keyed by parameter name
+    if not named:
+        return {}
+    names = [name for group in named["param_groups"] for name in group["params"]]  # the optimizer's order
+    return _rekeyed(named, {name: i for i, name in enumerate(names)})
+
+
+def load_optimizer_state(modules, opt, state: dict) -> None:
+    """Load optimizer_state()'s layout into `opt`, each rank keeping its shards."""
+    name_of = {p: name for name, p in modules.named_parameters()}
+    names = [name_of[p] for group in opt.param_groups for p in group["params"]]
+    set_optimizer_state_dict(modules, opt, _rekeyed(state, dict(enumerate(names))), options=_SCATTER)
+
+
+def _rekeyed(state: dict, key: dict) -> dict:
+    """An optimizer state dict with its parameter keys mapped through `key` (names <-> numbers)."""
+    return {
+        "state": {key[k]: v for k, v in state["state"].items()},
+        "param_groups": [{**group, "params": [key[k] for k in group["params"]]} for group in state["param_groups"]],
+    }

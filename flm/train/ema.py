@@ -5,6 +5,9 @@ import copy
 import torch
 from torch import nn
 
+from flm.train import checkpoint
+from flm.train.parallel import local
+
 
 def ema_key(decay: float) -> str:
     return f"{decay:g}"
@@ -15,13 +18,17 @@ class EMA:
 
     The effective decay at optimizer step s is min(decay, (1 + s) / (10 + s)), so short runs and the
     first steps of long ones are not dominated by the random initialisation.
+
+    wrap places each copy like the trained model (flm.train.parallel.wrap_copy: sharded alike under
+    FSDP2, so the average is taken shard by shard). state_dict() gathers whole tensors and must be
+    called on every rank; load_state_dict() takes whole tensors, before or after wrapping.
     """
 
-    def __init__(self, model: nn.Module, decays):
+    def __init__(self, model: nn.Module, decays, wrap=lambda m: m):
         decays = [float(d) for d in decays]
         if not decays or not all(0 <= d < 1 for d in decays):
             raise ValueError(f"trainer.ema_decays must be a non-empty list of numbers in [0, 1), got {decays}")
-        self.models = {ema_key(d): self._copy(model) for d in decays}
+        self.models = {ema_key(d): wrap(self._copy(model)) for d in decays}
         self.decays = {ema_key(d): d for d in decays}
 
     @staticmethod
@@ -37,15 +44,15 @@ class EMA:
 
     @torch.no_grad()
     def update(self, model: nn.Module, step: int) -> None:
-        src = [p.detach() for p in model.parameters()]
+        src = [local(p.detach()) for p in model.parameters()]
         for key, ema in self.models.items():
             decay = min(self.decays[key], (1 + step) / (10 + step))
-            torch._foreach_lerp_(list(ema.parameters()), src, 1.0 - decay)
+            torch._foreach_lerp_([local(p) for p in ema.parameters()], src, 1.0 - decay)
             for b_ema, b in zip(ema.buffers(), model.buffers()):
                 b_ema.copy_(b)
 
     def state_dict(self) -> dict:
-        return {key: ema.state_dict() for key, ema in self.models.items()}
+        return {key: checkpoint.model_state(ema) for key, ema in self.models.items()}
 
     def load_state_dict(self, state: dict) -> None:
         if set(state) != set(self.models):
@@ -54,4 +61,4 @@ class EMA:
                 f"pass the decays the run was started with"
             )
         for key, ema in self.models.items():
-            ema.load_state_dict(state[key])
+            checkpoint.load_model_state(ema, state[key])

@@ -1,4 +1,5 @@
-"""The training loop: one code path for one process and for torchrun (DDP, or FSDP2 as an option).
+"""The training loop: one code path for one process and for torchrun (DDP, or FSDP2 with
+`trainer.parallel=fsdp`; see flm.train.parallel).
 
 The loop knows neither the loss nor the sampler: it calls `objective.loss(model, x, y, step=...)`
 and, for sample grids, `objective.sample(...)`.
@@ -16,9 +17,12 @@ resumes under any world size: it continues exactly when world_size x grad_accum 
 with the same images per step (other noise draws) otherwise. After the first step of a run, and
 every `trainer.sync_check_every` steps, the ranks compare a checksum of their parameters
 (flm.dist.check_in_sync), so a skipped gradient all-reduce stops the run instead of going unnoticed.
+
+Under FSDP2 every rank holds a shard of the model, the optimizer state and the EMA: checkpoints,
+sample grids and the sync check are collectives that every rank enters (rank 0 alone writes files),
+and a checkpoint holds whole tensors, so it resumes under DDP, FSDP2 or one process alike.
 """
 
-import contextlib
 import logging
 import math
 import os
@@ -34,6 +38,7 @@ from flm.log import LoggerConfig, RunLogger, progress_line
 from flm.train import checkpoint
 from flm.train.ema import EMA
 from flm.train.optim import OptimConfig, build_optimizer
+from flm.train.parallel import PARALLEL, clip_grad_norm_, grad_sync, wrap, wrap_copy
 from flm.train.sampling import class_labels, generate, save_grid
 
 log = logging.getLogger("flm")
@@ -48,7 +53,7 @@ class TrainerConfig:
     device: str = "auto"  # auto | cpu | cuda
     precision: str = "auto"  # auto (bf16 autocast on CUDA, fp32 on CPU) | bf16 | fp32
     compile: bool = False  # torch.compile the model (see DESIGN.md: JVP steps may not compile)
-    parallel: str = "ddp"  # under torchrun: ddp (FSDP2 is not supported yet)
+    parallel: str = "ddp"  # under torchrun: ddp | fsdp (FSDP2: parameters, gradients, optimizer state and EMA sharded)
     class_conditional: bool = True  # condition on the dataset's labels (enables cfg_scale when sampling)
     ema_decays: list[float] = field(default_factory=lambda: [0.999])
     log_every: int = 50
@@ -73,13 +78,8 @@ class TrainerConfig:
                 raise ValueError(f"trainer.{name} must be >= 0 (0 = at the end only / keep all), got {getattr(self, name)}")
         if self.precision not in ("auto", "bf16", "fp32"):
             raise ValueError(f"trainer.precision must be auto, bf16 or fp32, got {self.precision!r}")
-        if self.parallel == "fsdp":
-            raise ValueError(
-                "trainer.parallel=fsdp (FSDP2) is not supported yet: its hooks reject forward-AD dual tensors "
-                "and flm's checkpoints and EMA are not sharding-aware; use trainer.parallel=ddp"
-            )
-        if self.parallel != "ddp":
-            raise ValueError(f"trainer.parallel must be ddp, got {self.parallel!r}")
+        if self.parallel not in PARALLEL:
+            raise ValueError(f"trainer.parallel must be one of {', '.join(PARALLEL)}, got {self.parallel!r}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -110,22 +110,6 @@ def check_attention(name: str, device: torch.device, dtype: torch.dtype | None) 
 
     probe = torch.zeros(1, 1, 16, 64, device=device, dtype=dtype or torch.float32)
     get_attention(name).check_available(probe)
-
-
-def wrap(model: nn.Module, device: torch.device) -> nn.Module:
-    """DDP under torchrun; the model itself on one process."""
-    if dist.world_size() == 1:
-        return model
-    return nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-
-
-def grad_sync(model: nn.Module, enabled: bool):
-    """Context in which backward all-reduces gradients only if `enabled` (for grad accumulation)."""
-    if enabled:
-        return contextlib.nullcontext()
-    if hasattr(model, "no_sync"):  # DDP
-        return model.no_sync()
-    return contextlib.nullcontext()
 
 
 def rng_state(device: torch.device) -> dict:
@@ -201,18 +185,20 @@ def train(*, run_dir: str, model_fn, objective, data: DataConfig, optim: OptimCo
     if isinstance(objective, nn.Module):
         objective.to(device)
     objective_params = list(objective.parameters()) if isinstance(objective, nn.Module) else []
-    ema = EMA(raw, trainer.ema_decays)
-    model = wrap(raw, device)
+    # the EMA copies first: under FSDP2, wrap() shards raw in place (and wrap_copy shards the copies alike)
+    ema = EMA(raw, trainer.ema_decays, wrap=lambda m: wrap_copy(m, device, trainer.parallel))
+    model = wrap(raw, device, trainer.parallel)
     if trainer.compile:
         model = torch.compile(model)
     params = [p for p in raw.parameters() if p.requires_grad] + objective_params
     opt, sched = build_optimizer(params, optim)
+    trained = nn.ModuleDict({"model": raw, "objective": objective})  # names the optimizer's parameters
     loader = Loader(dataset, batch_size=micro_batch, rank=rank, world_size=world, seed=trainer.seed,
                     grad_accum=trainer.grad_accum, hflip=data.hflip, num_workers=data.num_workers)
     step, skipped_total, skipped_run = 0, 0, 0
     if bundle is not None:
         ema.load_state_dict(bundle["ema"])
-        opt.load_state_dict(bundle["optimizer"])
+        checkpoint.load_optimizer_state(trained, opt, bundle["optimizer"])
         sched.load_state_dict(bundle["scheduler"])
         loader.load_state_dict(bundle["data"])
         set_rng_state(bundle["rng"], device)
@@ -224,8 +210,8 @@ def train(*, run_dir: str, model_fn, objective, data: DataConfig, optim: OptimCo
     dist.info0(
         f"run folder {os.path.abspath(run_dir)} | {model_args['name']} {n_params / 1e6:.2f}M params | "
         f"{type(objective).__name__} | {len(dataset)} images {dataset.channels}x{dataset.resolution}x{dataset.resolution} | "
-        f"device {device} x {world} | precision {dtype or torch.float32} | batch {trainer.batch_size} = "
-        f"{world} ranks x {trainer.grad_accum} accum x {micro_batch}"
+        f"device {device} x {world}{f' ({trainer.parallel})' if world > 1 else ''} | precision {dtype or torch.float32} | "
+        f"batch {trainer.batch_size} = {world} ranks x {trainer.grad_accum} accum x {micro_batch}"
         + (f" | resumed from {resume_from} at step {step}" if resume_from else "")
     )
     run_log = RunLogger(run_dir, logger, run_config=config)
@@ -233,21 +219,24 @@ def train(*, run_dir: str, model_fn, objective, data: DataConfig, optim: OptimCo
     shape = (dataset.channels, dataset.resolution, dataset.resolution)
 
     def sample_grid(at_step: int) -> None:
-        if not dist.is_main():
-            return
+        # every rank samples (under FSDP2 the EMA's forward all-gathers its shards); rank 0 writes
         images = generate(ema.default, objective, seeds=list(range(trainer.sample_n)), labels=labels, shape=shape,
                           steps=trainer.sample_steps, cfg_scale=trainer.sample_cfg_scale,
                           batch_size=micro_batch * trainer.grad_accum, device=device, amp_dtype=dtype)
+        if not dist.is_main():
+            return
         path = os.path.join(run_dir, "samples", f"step-{at_step:08d}.png")
         save_grid(images, path, nrow=10 if num_classes == 10 else None)
         run_log.log_image(at_step, "samples", path)
 
     def save_checkpoint(at_step: int) -> None:
+        # whole tensors gathered on every rank (collectives under FSDP2), written by rank 0
+        state = {"model": checkpoint.model_state(raw), "ema": ema.state_dict(),
+                 "optimizer": checkpoint.optimizer_state(trained, opt)}
         if dist.is_main():
-            state = {
-                "step": at_step, "model": raw.state_dict(), "ema": ema.state_dict(), "optimizer": opt.state_dict(),
-                "scheduler": sched.state_dict(), "objective": objective.state_dict(), "rng": rng_state(device),
-                "data": loader.state_dict(), "nonfinite": {"total": skipped_total, "in_a_row": skipped_run},
+            state |= {
+                "step": at_step, "scheduler": sched.state_dict(), "objective": objective.state_dict(),
+                "rng": rng_state(device), "data": loader.state_dict(), "nonfinite": {"total": skipped_total, "in_a_row": skipped_run},
                 "model_args": model_args, "config": config or {},
             }
             checkpoint.save(state, checkpoint.checkpoint_path(run_dir, at_step), keep_last=trainer.keep_last)
@@ -277,7 +266,7 @@ def train(*, run_dir: str, model_fn, objective, data: DataConfig, optim: OptimCo
             for p in objective_params:  # not inside DDP/FSDP: average by hand so ranks agree
                 if p.grad is not None:
                     p.grad = dist.all_mean(p.grad)
-            grad_norm = nn.utils.clip_grad_norm_(params, optim.grad_clip if optim.grad_clip > 0 else math.inf)
+            grad_norm = clip_grad_norm_(params, optim.grad_clip if optim.grad_clip > 0 else math.inf)
             finite = dist.all_min((torch.isfinite(loss_step) & torch.isfinite(grad_norm)).float())
             if finite.item() == 1.0:
                 opt.step()

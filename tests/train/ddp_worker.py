@@ -9,6 +9,10 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from flm import dist  # noqa: E402
 from flm.objectives import MeanFlow  # noqa: E402
 
 
@@ -20,10 +24,23 @@ class ModuleBypass(MeanFlow):
         return super().loss(getattr(model, "module", model), x, y, step=step)
 
 
+class RankSkew(MeanFlow):
+    """MeanFlow with a parameter of its own (replicated, like sCM's) that each rank shifts by its rank
+    outside the optimizer: what the sync check still catches under FSDP2."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.skew = nn.Parameter(torch.zeros(()))
+
+    def loss(self, model, x, y=None, *, step: int = 0):
+        with torch.no_grad():
+            self.skew += dist.rank()
+        return super().loss(model, x, y, step=step)
+
+
 def main(jobs_file: str) -> None:
     from hydra import compose, initialize_config_dir
 
-    from flm import dist
     from tests.train.conftest import TINY, load_entry
 
     train_entry = load_entry("train")

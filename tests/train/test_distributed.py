@@ -1,6 +1,6 @@
-"""Two processes on the CPU (gloo, launched with torchrun): DDP with a JVP objective trains as one
-process with the same global batch, a skipped gradient all-reduce is caught, checkpoints move
-between world sizes (2 -> 1 and 1 -> 2)."""
+"""Two processes on the CPU (gloo, launched with torchrun): DDP and FSDP2 with a JVP objective (both
+JVP modes) train as one process with the same global batch, a broken sync is caught, checkpoints move
+between world sizes and parallel modes (2 -> 1, 1 -> 2, DDP <-> FSDP2)."""
 
 import json
 import os
@@ -20,6 +20,7 @@ COMMON = ["trainer.batch_size=8", "objective.r_neq_t=0.75", "trainer.ckpt_every=
           "trainer.sample_n=2"]
 ONE = ["trainer.grad_accum=2"]
 MODES = ("dual", "two_pass")
+FSDP = ["trainer.parallel=fsdp"]
 
 
 def run_one(run_dir, overrides):
@@ -43,16 +44,25 @@ def run_two(tmp, jobs):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Every run of this file: 1-process references, then one 2-process launch, then a 2 -> 1 resume."""
+    """Every run of this file: 1-process references, then one 2-process launch (DDP runs "two-*", FSDP2 runs
+    "fsdp-*"), then the 2 -> 1 resumes. "a-to-b" resumes run a's step-2 checkpoint under b."""
     tmp = tmp_path_factory.mktemp("ddp")
+    resume = lambda run: [f"trainer.resume={tmp / run / 'checkpoints/ckpt-00000002.pt'}"]  # noqa: E731
     for mode in MODES:
         run_one(tmp / f"one-{mode}", [f"objective.jvp_mode={mode}"])
-    run_two(tmp, [(tmp / f"two-{mode}", [f"objective.jvp_mode={mode}"]) for mode in MODES] + [
-        (tmp / "one-to-two", [f"trainer.resume={tmp / 'one-dual/checkpoints/ckpt-00000002.pt'}"]),
+    run_two(tmp, [(tmp / f"two-{mode}", [f"objective.jvp_mode={mode}"]) for mode in MODES]
+            + [(tmp / f"fsdp-{mode}", FSDP + [f"objective.jvp_mode={mode}"]) for mode in MODES] + [
+        (tmp / "one-to-two", resume("one-dual")),
+        (tmp / "one-to-fsdp", FSDP + resume("one-dual")),
+        (tmp / "two-to-fsdp", FSDP + resume("two-dual")),
+        (tmp / "fsdp-to-two", resume("fsdp-dual")),
         (tmp / "bypass", ["objective._target_=tests.train.ddp_worker.ModuleBypass", "~objective.name",
                             "trainer.max_steps=2"]),
+        (tmp / "fsdp-skew", FSDP + ["objective._target_=tests.train.ddp_worker.RankSkew", "~objective.name",
+                                    "trainer.max_steps=2"]),
     ])
-    run_one(tmp / "two-to-one", [f"trainer.resume={tmp / 'two-dual/checkpoints/ckpt-00000002.pt'}"])
+    run_one(tmp / "two-to-one", resume("two-dual"))
+    run_one(tmp / "fsdp-to-one", resume("fsdp-dual"))
     return tmp
 
 
@@ -68,15 +78,19 @@ def assert_same_training(a, b):
     assert a["data"] == b["data"] and a["step"] == b["step"] == 4
 
 
+@pytest.mark.parametrize("parallel", ["two", "fsdp"])
 @pytest.mark.parametrize("mode", MODES)
-def test_two_processes_train_as_one(runs, mode):
-    one, two = final(runs / f"one-{mode}"), final(runs / f"two-{mode}")
+def test_two_processes_train_as_one(runs, parallel, mode):
+    one, two = final(runs / f"one-{mode}"), final(runs / f"{parallel}-{mode}")
     assert_same_training(two, one)
+    assert (runs / f"{parallel}-{mode}" / "samples" / "step-00000004.png").is_file()
     start = checkpoint.load(str(runs / f"one-{mode}" / "checkpoints" / "ckpt-00000002.pt"))
     assert not torch.allclose(start["model"]["final_layer.linear.weight"], one["model"]["final_layer.linear.weight"])
 
 
-@pytest.mark.parametrize("direction", ["two-to-one", "one-to-two"])
+@pytest.mark.parametrize(
+    "direction", ["two-to-one", "one-to-two", "fsdp-to-one", "one-to-fsdp", "two-to-fsdp", "fsdp-to-two"]
+)
 def test_checkpoint_resumes_under_another_world_size(runs, direction):
     assert_same_training(final(runs / direction), final(runs / "one-dual"))
 
@@ -86,3 +100,12 @@ def test_a_skipped_gradient_all_reduce_stops_the_run(runs):
     assert error.startswith("RuntimeError: parameters differ across ranks after step 1"), error
     assert "model.module" in error
     assert not checkpoint.list_checkpoints(str(runs / "bypass"))
+
+
+def test_a_replicated_tensor_out_of_sync_under_fsdp2_stops_the_run(runs):
+    """Under FSDP2 the sync check compares what is replicated (the objective's parameters here): sharded
+    parameters have a single owner, and their all-gathered values agree by construction."""
+    error = (runs / "fsdp-skew" / "error.txt").read_text()
+    assert error.startswith("RuntimeError: parameters differ across ranks after step 1 (1 of 1 tensors, "
+                            "e.g. RankSkew.skew)"), error
+    assert not checkpoint.list_checkpoints(str(runs / "fsdp-skew"))
