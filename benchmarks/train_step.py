@@ -107,11 +107,12 @@ def measure(model_name, tokens, objective_name, backend, mode, execution, args, 
         opt.step()
         opt.zero_grad(set_to_none=True)
 
+    if device.type == "cuda":
+        # from the first step on: a CUDA graph allocates its activations once, at capture (in the warm-up)
+        torch.cuda.reset_peak_memory_stats(device)
     for i in range(args.warmup):
         step(i)
     _sync(device)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
     times, host = [], []
     for i in range(args.iters):
         t0 = time.perf_counter()
