@@ -250,7 +250,7 @@ def train(*, run_dir: str, model_fn, objective, data: DataConfig, optim: OptimCo
         torch.cuda.reset_peak_memory_stats(device)
     try:
         while step < trainer.max_steps:
-            loss_step = torch.zeros((), device=device)
+            loss_step, extra_step = torch.zeros((), device=device), {}
             for micro in range(trainer.grad_accum):
                 # per step and per micro-batch, numbered over the whole step (the loader's order): resumes
                 # exactly, and N ranks x A accumulation steps draw what one rank with N x A steps draws
@@ -263,6 +263,8 @@ def train(*, run_dir: str, model_fn, objective, data: DataConfig, optim: OptimCo
                         loss, extra = objective.loss(model, x, y, step=step)
                     (loss / trainer.grad_accum).backward()
                 loss_step += loss.detach().float() / trainer.grad_accum
+                for k, v in extra.items():
+                    extra_step[k] = extra_step.get(k, 0.0) + torch.as_tensor(v).detach().float() / trainer.grad_accum
             for p in objective_params:  # not inside DDP/FSDP: average by hand so ranks agree
                 if p.grad is not None:
                     p.grad = dist.all_mean(p.grad)
@@ -296,7 +298,8 @@ def train(*, run_dir: str, model_fn, objective, data: DataConfig, optim: OptimCo
                 now = time.perf_counter()
                 seconds = now - window_t
                 metrics = {
-                    **{k: float(v) for k, v in extra.items()},  # the objective's, of the last step
+                    # the objective's, of the last step: the mean over its micro-batches and ranks, as one rank logs it
+                    **{k: dist.all_mean(v).item() for k, v in extra_step.items()},
                     "loss": dist.all_mean(torch.tensor(loss_sum / window_steps, device=device)).item(),
                     "grad_norm": grad_norm.item(),
                     "lr": sched.get_last_lr()[0],

@@ -70,6 +70,12 @@ def final(run_dir):
     return checkpoint.load(str(run_dir / "checkpoints" / "ckpt-00000004.pt"))
 
 
+def logged(run_dir):
+    """{(step, metric): value} of the loss and mse in metrics.jsonl."""
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return {(r["step"], k): r[k] for r in map(json.loads, lines) for k in ("loss", "mse")}
+
+
 def assert_same_training(a, b):
     """Same weights, EMA, optimizer moments and data position, up to fp32 all-reduce rounding."""
     for key in ("model", "ema"):
@@ -83,6 +89,8 @@ def assert_same_training(a, b):
 def test_two_processes_train_as_one(runs, parallel, mode):
     one, two = final(runs / f"one-{mode}"), final(runs / f"{parallel}-{mode}")
     assert_same_training(two, one)
+    # the logged loss and the objective's metrics are means over all ranks and micro-batches
+    assert logged(runs / f"{parallel}-{mode}") == pytest.approx(logged(runs / f"one-{mode}"), rel=1e-5)
     assert (runs / f"{parallel}-{mode}" / "samples" / "step-00000004.png").is_file()
     start = checkpoint.load(str(runs / f"one-{mode}" / "checkpoints" / "ckpt-00000002.pt"))
     assert not torch.allclose(start["model"]["final_layer.linear.weight"], one["model"]["final_layer.linear.weight"])
