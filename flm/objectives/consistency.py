@@ -109,6 +109,11 @@ class SCM(nn.Module):
         self.path = TrigFlowPath(sigma_d)
         self.logvar = LogVar(logvar_channels)
 
+    @property
+    def constant_from_step(self) -> int:
+        """loss() depends on `step` through the tangent warm-up only, until it ends."""
+        return self.warmup_steps
+
     def warmup(self, step: int) -> float:
         return 1.0 if self.warmup_steps == 0 else min(1.0, step / self.warmup_steps)
 

@@ -12,8 +12,9 @@ that the loop can still check the gradients and clip them before stepping.
 
 Constraints (checked where they can be): CUDA; fixed input shapes; everything inside step_fn on the
 GPU with no host synchronisation; Python values read inside step_fn (say a warm-up factor that depends
-on the step) are frozen at capture. Random ops draw fresh numbers on every replay (PyTorch registers the
-default CUDA generator with the graph).
+on the step) are frozen at capture (objectives say from which step they stop depending on it:
+`constant_from_step`). Random ops draw fresh numbers on every replay from the default CUDA generator's
+state at replay time, so seeding before a replay works as it does before an eager step.
 """
 
 import torch
@@ -34,6 +35,9 @@ class GraphedStep:
             if not x.is_cuda:
                 raise ValueError(f"CUDA-graph steps need CUDA inputs, got {name} on {x.device}; set trainer.cuda_graph=false")
         self.static_inputs = [x.clone() for _, x in inputs]
+        # the warm-up calls draw random numbers; restore the state so that the first replay draws what
+        # an eager step would (a graphed run then follows the eager run and resumes exactly)
+        rng = torch.get_rng_state(), torch.cuda.get_rng_state()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -46,6 +50,8 @@ class GraphedStep:
         with torch.cuda.graph(self.graph):
             self.static_out = self.step_fn(*self.static_inputs)
         self.grads = [p.grad for p in self.params]
+        torch.set_rng_state(rng[0])
+        torch.cuda.set_rng_state(rng[1])
 
     def _zero_grads(self) -> None:
         for p in self.params:

@@ -37,6 +37,7 @@ from flm.data import DataConfig, Loader, _seed
 from flm.log import LoggerConfig, RunLogger, progress_line
 from flm.train import checkpoint
 from flm.train.ema import EMA
+from flm.train.graphs import GraphedStep
 from flm.train.optim import OptimConfig, build_optimizer
 from flm.train.parallel import PARALLEL, clip_grad_norm_, grad_sync, wrap, wrap_copy
 from flm.train.sampling import class_labels, generate, save_grid
@@ -53,6 +54,7 @@ class TrainerConfig:
     device: str = "auto"  # auto | cpu | cuda
     precision: str = "auto"  # auto (bf16 autocast on CUDA, fp32 on CPU) | bf16 | fp32
     compile: bool = False  # torch.compile the model (see DESIGN.md: JVP steps may not compile)
+    cuda_graph: bool = False  # replay loss + backward as one CUDA graph (one GPU; flm.train.graphs)
     parallel: str = "ddp"  # under torchrun: ddp | fsdp (FSDP2: parameters, gradients, optimizer state and EMA sharded)
     class_conditional: bool = True  # condition on the dataset's labels (enables cfg_scale when sampling)
     ema_decays: list[float] = field(default_factory=lambda: [0.999])
@@ -112,6 +114,24 @@ def check_attention(name: str, device: torch.device, dtype: torch.dtype | None) 
     get_attention(name).check_available(probe)
 
 
+def check_cuda_graph(trainer: TrainerConfig, device: torch.device, world: int, objective) -> None:
+    """trainer.cuda_graph=true captures one process's loss + backward; refuse what it cannot capture."""
+    problems = []
+    if device.type != "cuda":
+        problems.append(f"it needs a CUDA device, and this run is on {device}")
+    if world > 1:
+        problems.append(f"it runs on one process, and this run has {world} (DDP/FSDP2 communication is not captured)")
+    if trainer.grad_accum > 1:
+        problems.append(f"it captures one micro-batch per step, and trainer.grad_accum={trainer.grad_accum}")
+    if trainer.compile:
+        problems.append("it replaces torch.compile, and trainer.compile=true")
+    if not hasattr(objective, "constant_from_step"):
+        problems.append(f"{type(objective).__name__} does not say from which step its loss stops depending on the "
+                        f"step (an attribute constant_from_step)")
+    if problems:
+        raise ValueError("trainer.cuda_graph=true cannot run here: " + "; ".join(problems) + ". Set trainer.cuda_graph=false")
+
+
 def rng_state(device: torch.device) -> dict:
     state = {"torch": torch.get_rng_state()}
     if device.type == "cuda":
@@ -165,6 +185,8 @@ def train(*, run_dir: str, model_fn, objective, data: DataConfig, optim: OptimCo
     micro_batch = local_batch_size(trainer.batch_size, trainer.grad_accum, world)
     dtype = amp_dtype(trainer.precision, device)
     check_attention(attention, device, dtype)
+    if trainer.cuda_graph:
+        check_cuda_graph(trainer, device, world, objective)
     resume_from = resolve_resume(trainer.resume, run_dir)
     bundle = checkpoint.load(resume_from) if resume_from else None
 
@@ -242,6 +264,15 @@ def train(*, run_dir: str, model_fn, objective, data: DataConfig, optim: OptimCo
             checkpoint.save(state, checkpoint.checkpoint_path(run_dir, at_step), keep_last=trainer.keep_last)
         dist.barrier()
 
+    def loss_and_backward(x, y=None):
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+            loss, extra = objective.loss(model, x, y, step=step)  # a CUDA graph keeps the step of its capture
+        (loss / trainer.grad_accum).backward()
+        return loss, extra
+
+    graphed = GraphedStep(loss_and_backward, params) if trainer.cuda_graph else None
+    graph_from = objective.constant_from_step if graphed else 0  # eager until loss() stops depending on step
+
     metrics: dict = {}
     window_t, window_steps, loss_sum = time.perf_counter(), 0, 0.0
     t_start, step_start = time.perf_counter(), step
@@ -258,10 +289,12 @@ def train(*, run_dir: str, model_fn, objective, data: DataConfig, optim: OptimCo
                 x, y = loader.next()
                 x = x.to(device, non_blocking=True)
                 y = y.to(device, non_blocking=True) if num_classes else None
-                with grad_sync(model, micro == trainer.grad_accum - 1):
-                    with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
-                        loss, extra = objective.loss(model, x, y, step=step)
-                    (loss / trainer.grad_accum).backward()
+                inputs = (x,) if y is None else (x, y)
+                if graphed is not None and step >= graph_from:
+                    loss, extra = graphed(*inputs)
+                else:
+                    with grad_sync(model, micro == trainer.grad_accum - 1):
+                        loss, extra = loss_and_backward(*inputs)
                 loss_step += loss.detach().float() / trainer.grad_accum
                 for k, v in extra.items():
                     extra_step[k] = extra_step.get(k, 0.0) + torch.as_tensor(v).detach().float() / trainer.grad_accum

@@ -70,3 +70,38 @@ def test_replays_draw_fresh_noise_and_refuse_another_shape():
     assert graphed(x, y)[0].item() != first  # new t and noise on every replay
     with pytest.raises(ValueError, match="captured for"):
         graphed(torch.randn(2, 4, 16, 16, device="cuda"), y[:2])
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["trainer.device=cpu"], "needs a CUDA device"),
+        (["trainer.device=cpu", "trainer.grad_accum=2"], "trainer.grad_accum=2"),
+        (["trainer.device=cpu", "trainer.compile=true"], "trainer.compile=true"),
+    ],
+)
+def test_the_loop_refuses_what_a_graph_cannot_capture(tmp_path, train_run, overrides, message):
+    with pytest.raises(ValueError, match=f"trainer.cuda_graph=true cannot run here: .*{message}.*Set trainer.cuda_graph=false"):
+        train_run(tmp_path, ["trainer.cuda_graph=true", *overrides])
+    assert not (tmp_path / "checkpoints").exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("objective", ["meanflow", "scm"])
+def test_a_graphed_run_follows_the_eager_run(tmp_path, train_run, objective):
+    # sCM: eager through the tangent warm-up (2 steps), then captured
+    common = [f"objective={objective}", "attention=triton_jvp", "trainer.device=cuda", "trainer.max_steps=6", "trainer.log_every=1"]
+    if objective == "scm":
+        common.append("objective.warmup_steps=2")
+    train_run(tmp_path / "eager", common)
+    train_run(tmp_path / "graph", common + ["trainer.cuda_graph=true"])
+    eager, graph = (read_losses(tmp_path / name) for name in ("eager", "graph"))
+    assert len(eager) == len(graph) == 6
+    assert torch.allclose(torch.tensor(graph), torch.tensor(eager), rtol=2e-2, atol=1e-4), (eager, graph)
+
+
+def read_losses(run_dir):
+    import json
+
+    key = "mse" if "mse" in open(run_dir / "metrics.jsonl").readline() else "loss"
+    return [json.loads(line)[key] for line in open(run_dir / "metrics.jsonl")]
