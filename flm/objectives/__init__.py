@@ -8,9 +8,8 @@
     x = objective.sample(model, noise, y, steps=1, cfg_scale=1.0)
 
 Every objective is an nn.Module (parameters: only sCM's adaptive weighting; state_dict for the
-checkpoint) with `time_inputs` (1, or 2 for MeanFlow's (t, r)), `constant_from_step` (the step from which loss() no
-longer depends on `step`; a CUDA-graph step is captured then), `loss(model, x, y=None, *, step=0)
--> (loss, metrics)` and `sample(model, noise, y=None, *, steps, cfg_scale=1.0, generators=None) -> x`;
+checkpoint) with `time_inputs` (1, or 2 for MeanFlow's (t, r)), `loss(model, x, y=None, *, step=0) -> (loss, metrics)`
+(step: an int, or a 0-dim tensor on the device when the step is a CUDA graph) and `sample(model, noise, y=None, *, steps, cfg_scale=1.0, generators=None) -> x`;
 `generators` (one torch.Generator per image) feed any noise a sampler draws after `noise` (sCM's
 multi-step re-noising), so samples do not depend on the batch size; deterministic samplers draw none.
 """

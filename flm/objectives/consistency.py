@@ -109,15 +109,15 @@ class SCM(nn.Module):
         self.path = TrigFlowPath(sigma_d)
         self.logvar = LogVar(logvar_channels)
 
-    @property
-    def constant_from_step(self) -> int:
-        """loss() depends on `step` through the tangent warm-up only, until it ends."""
-        return self.warmup_steps
+    def warmup(self, step):
+        """min(1, step / warmup_steps); step is an int, or a 0-dim tensor (a CUDA-graph step reads it on the GPU)."""
+        if self.warmup_steps == 0:
+            return 1.0
+        if isinstance(step, torch.Tensor):
+            return (step / self.warmup_steps).clamp(max=1.0)
+        return min(1.0, step / self.warmup_steps)
 
-    def warmup(self, step: int) -> float:
-        return 1.0 if self.warmup_steps == 0 else min(1.0, step / self.warmup_steps)
-
-    def loss(self, model, x, y=None, *, step: int = 0):
+    def loss(self, model, x, y=None, *, step=0):
         y = drop_labels(model, y, self.label_dropout)
         sigma_d = self.sigma_d
         t = lognormal_trigflow(x.shape[0], self.p_mean, self.p_std, sigma_d, device=x.device)

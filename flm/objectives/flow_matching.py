@@ -31,7 +31,6 @@ class FlowMatching(nn.Module):
     """
 
     time_inputs = 1
-    constant_from_step = 0  # loss() ignores `step`
 
     def __init__(self, *, t_mean: float = 0.0, t_std: float = 1.0, label_dropout: float = 0.1, sampler: str = "euler"):
         super().__init__()

@@ -43,7 +43,6 @@ class MeanFlow(nn.Module):
     """
 
     time_inputs = 2
-    constant_from_step = 0  # loss() ignores `step`
 
     def __init__(
         self,

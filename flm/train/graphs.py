@@ -12,8 +12,8 @@ that the loop can still check the gradients and clip them before stepping.
 
 Constraints (checked where they can be): CUDA; fixed input shapes; everything inside step_fn on the
 GPU with no host synchronisation; Python values read inside step_fn (say a warm-up factor that depends
-on the step) are frozen at capture (objectives say from which step they stop depending on it:
-`constant_from_step`). Random ops draw fresh numbers on every replay from the default CUDA generator's
+on the step) are frozen at capture, so pass such values as tensor inputs (the loop passes the step).
+Random ops draw fresh numbers on every replay from the default CUDA generator's
 state at replay time, so seeding before a replay works as it does before an eager step.
 """
 

@@ -114,7 +114,7 @@ def check_attention(name: str, device: torch.device, dtype: torch.dtype | None) 
     get_attention(name).check_available(probe)
 
 
-def check_cuda_graph(trainer: TrainerConfig, device: torch.device, world: int, objective) -> None:
+def check_cuda_graph(trainer: TrainerConfig, device: torch.device, world: int) -> None:
     """trainer.cuda_graph=true captures one process's loss + backward; refuse what it cannot capture."""
     problems = []
     if device.type != "cuda":
@@ -125,9 +125,6 @@ def check_cuda_graph(trainer: TrainerConfig, device: torch.device, world: int, o
         problems.append(f"it captures one micro-batch per step, and trainer.grad_accum={trainer.grad_accum}")
     if trainer.compile:
         problems.append("it replaces torch.compile, and trainer.compile=true")
-    if not hasattr(objective, "constant_from_step"):
-        problems.append(f"{type(objective).__name__} does not say from which step its loss stops depending on the "
-                        f"step (an attribute constant_from_step)")
     if problems:
         raise ValueError("trainer.cuda_graph=true cannot run here: " + "; ".join(problems) + ". Set trainer.cuda_graph=false")
 
@@ -186,7 +183,7 @@ def train(*, run_dir: str, model_fn, objective, data: DataConfig, optim: OptimCo
     dtype = amp_dtype(trainer.precision, device)
     check_attention(attention, device, dtype)
     if trainer.cuda_graph:
-        check_cuda_graph(trainer, device, world, objective)
+        check_cuda_graph(trainer, device, world)
     resume_from = resolve_resume(trainer.resume, run_dir)
     bundle = checkpoint.load(resume_from) if resume_from else None
 
@@ -264,14 +261,14 @@ def train(*, run_dir: str, model_fn, objective, data: DataConfig, optim: OptimCo
             checkpoint.save(state, checkpoint.checkpoint_path(run_dir, at_step), keep_last=trainer.keep_last)
         dist.barrier()
 
-    def loss_and_backward(x, y=None):
+    def loss_and_backward(x, y, at_step):
         with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
-            loss, extra = objective.loss(model, x, y, step=step)  # a CUDA graph keeps the step of its capture
+            loss, extra = objective.loss(model, x, y, step=at_step)
         (loss / trainer.grad_accum).backward()
         return loss, extra
 
-    graphed = GraphedStep(loss_and_backward, params) if trainer.cuda_graph else None
-    graph_from = objective.constant_from_step if graphed else 0  # eager until loss() stops depending on step
+    # a graph replays what it captured: the step (sCM's tangent warm-up) goes in as a tensor, as x and y do
+    graphed = GraphedStep(lambda x, at_step, y=None: loss_and_backward(x, y, at_step), params) if trainer.cuda_graph else None
 
     metrics: dict = {}
     window_t, window_steps, loss_sum = time.perf_counter(), 0, 0.0
@@ -289,12 +286,12 @@ def train(*, run_dir: str, model_fn, objective, data: DataConfig, optim: OptimCo
                 x, y = loader.next()
                 x = x.to(device, non_blocking=True)
                 y = y.to(device, non_blocking=True) if num_classes else None
-                inputs = (x,) if y is None else (x, y)
-                if graphed is not None and step >= graph_from:
-                    loss, extra = graphed(*inputs)
+                if graphed is not None:
+                    step_t = torch.tensor(step, device=device)
+                    loss, extra = graphed(x, step_t) if y is None else graphed(x, step_t, y)
                 else:
                     with grad_sync(model, micro == trainer.grad_accum - 1):
-                        loss, extra = loss_and_backward(*inputs)
+                        loss, extra = loss_and_backward(x, y, step)
                 loss_step += loss.detach().float() / trainer.grad_accum
                 for k, v in extra.items():
                     extra_step[k] = extra_step.get(k, 0.0) + torch.as_tensor(v).detach().float() / trainer.grad_accum

@@ -83,3 +83,16 @@ def test_multi_step_sampling_depends_only_on_each_images_generator():
     assert (other - whole).abs().max() > 1e-3
     with pytest.raises(ValueError, match="got 2 generators for 5 images; pass one per image"):
         scm.sample(model, noise, steps=2, generators=_generators(range(2)))
+
+
+@pytest.mark.parametrize("step", [0, 1, 3, 7])
+def test_step_as_a_tensor_gives_the_loss_of_the_int_step(step):
+    # a CUDA-graph training step passes the step as a 0-dim tensor (flm.train.loop)
+    scm = SCM(warmup_steps=4)
+    model = tiny_dit()
+    x, y = torch.randn(4, 3, 8, 8), torch.arange(4)
+    losses = []
+    for s in (step, torch.tensor(step)):
+        torch.manual_seed(0)
+        losses.append(scm.loss(model, x, y, step=s)[0])
+    assert torch.equal(losses[0], losses[1])

@@ -89,7 +89,7 @@ def test_the_loop_refuses_what_a_graph_cannot_capture(tmp_path, train_run, overr
 @pytest.mark.gpu
 @pytest.mark.parametrize("objective", ["meanflow", "scm"])
 def test_a_graphed_run_follows_the_eager_run(tmp_path, train_run, objective):
-    # sCM: eager through the tangent warm-up (2 steps), then captured
+    # sCM: the step (its tangent warm-up over 2 steps) enters the graph as a tensor
     common = [f"objective={objective}", "attention=triton_jvp", "trainer.device=cuda", "trainer.max_steps=6", "trainer.log_every=1"]
     if objective == "scm":
         common.append("objective.warmup_steps=2")
