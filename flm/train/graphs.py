@@ -47,8 +47,15 @@ class GraphedStep:
         torch.cuda.current_stream().wait_stream(side)
         self._zero_grads()  # the gradients must be allocated inside the graph's memory pool
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.static_out = self.step_fn(*self.static_inputs)
+        try:
+            with torch.cuda.graph(self.graph):
+                self.static_out = self.step_fn(*self.static_inputs)
+        except RuntimeError as err:  # torch.AcceleratorError included
+            raise RuntimeError(
+                f"the training step could not be captured as a CUDA graph ({str(err).splitlines()[0]}); something in "
+                f"the step synchronises with the host or uses another stream. Set trainer.cuda_graph=false to train "
+                f"eagerly"
+            ) from err
         self.grads = [p.grad for p in self.params]
         torch.set_rng_state(rng[0])
         torch.cuda.set_rng_state(rng[1])
