@@ -105,3 +105,16 @@ def read_losses(run_dir):
 
     key = "mse" if "mse" in open(run_dir / "metrics.jsonl").readline() else "loss"
     return [json.loads(line)[key] for line in open(run_dir / "metrics.jsonl")]
+
+
+@pytest.mark.gpu
+def test_a_step_that_syncs_with_the_host_cannot_be_captured_and_says_so():
+    w = torch.zeros(3, device="cuda", requires_grad=True)
+
+    def syncs(x):
+        loss = (w * x).sum()
+        loss.backward()
+        return loss, {"as_float": loss.item()}  # a host sync: not allowed while capturing
+
+    with pytest.raises(RuntimeError, match="could not be captured as a CUDA graph.*trainer.cuda_graph=false"):
+        GraphedStep(syncs, [w])(torch.ones(3, device="cuda"))
