@@ -31,10 +31,10 @@ class GraphedStep:
         self.graph = self.static_inputs = self.static_out = self.grads = None
 
     def _capture(self, inputs) -> None:
-        for name, x in inputs:
+        for i, x in enumerate(inputs):
             if not x.is_cuda:
-                raise ValueError(f"CUDA-graph steps need CUDA inputs, got {name} on {x.device}; set trainer.cuda_graph=false")
-        self.static_inputs = [x.clone() for _, x in inputs]
+                raise ValueError(f"CUDA-graph steps need CUDA inputs, got input {i} on {x.device}; set trainer.cuda_graph=false")
+        self.static_inputs = [x.clone() for x in inputs]
         # the warm-up calls draw random numbers; restore the state so that the first replay draws what
         # an eager step would (a graphed run then follows the eager run and resumes exactly)
         rng = torch.get_rng_state(), torch.cuda.get_rng_state()
@@ -65,14 +65,13 @@ class GraphedStep:
             p.grad = None
 
     def __call__(self, *inputs):
-        named = [(f"input {i}", x) for i, x in enumerate(inputs)]
         if self.graph is None:
-            self._capture(named)
+            self._capture(inputs)
         else:
-            for (name, x), static in zip(named, self.static_inputs):
+            for i, (x, static) in enumerate(zip(inputs, self.static_inputs)):
                 if x.shape != static.shape or x.dtype != static.dtype:
                     raise ValueError(
-                        f"{name} has shape {tuple(x.shape)} and dtype {x.dtype}, but the CUDA graph was captured for "
+                        f"input {i} has shape {tuple(x.shape)} and dtype {x.dtype}, but the CUDA graph was captured for "
                         f"{tuple(static.shape)} and {static.dtype}; keep the batch shape fixed (drop the last partial batch)"
                     )
                 static.copy_(x, non_blocking=True)

@@ -279,6 +279,7 @@ def train(*, run_dir: str, model_fn, objective, data: DataConfig, optim: OptimCo
     try:
         while step < trainer.max_steps:
             loss_step, extra_step = torch.zeros((), device=device), {}
+            logs = (step + 1) % trainer.log_every == 0 or step + 1 == trainer.max_steps
             for micro in range(trainer.grad_accum):
                 # per step and per micro-batch, numbered over the whole step (the loader's order): resumes
                 # exactly, and N ranks x A accumulation steps draw what one rank with N x A steps draws
@@ -293,7 +294,7 @@ def train(*, run_dir: str, model_fn, objective, data: DataConfig, optim: OptimCo
                     with grad_sync(model, micro == trainer.grad_accum - 1):
                         loss, extra = loss_and_backward(x, y, step)
                 loss_step += loss.detach().float() / trainer.grad_accum
-                for k, v in extra.items():
+                for k, v in extra.items() if logs else ():  # only the logged steps' metrics are read
                     extra_step[k] = extra_step.get(k, 0.0) + torch.as_tensor(v).detach().float() / trainer.grad_accum
             for p in objective_params:  # not inside DDP/FSDP: average by hand so ranks agree
                 if p.grad is not None:
@@ -320,9 +321,10 @@ def train(*, run_dir: str, model_fn, objective, data: DataConfig, optim: OptimCo
             if trainer.sync_check_every and (step == step_start + 1 or step % trainer.sync_check_every == 0):
                 dist.check_in_sync(step, raw, objective)
             window_steps += 1
-            loss_sum += loss_step.item() if math.isfinite(loss_step.item()) else 0.0
+            loss_value = loss_step.item()
+            loss_sum += loss_value if math.isfinite(loss_value) else 0.0
 
-            if step % trainer.log_every == 0 or step == trainer.max_steps:
+            if logs:
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 now = time.perf_counter()
