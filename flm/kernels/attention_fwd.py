@@ -6,8 +6,10 @@ the tangent along (tq, tk, tv) is
     ts_j = scale * (tq.k_j + q.tk_j)
     tO   = (sum_j p_j tv_j + sum_j p_j ts_j v_j - r O) / l,      r = sum_j p_j ts_j
 
-so besides FlashAttention's accumulator (P V) the kernel keeps A = P tV, B = (P * tS) V and r, all
-rescaled by the running max like P V: six matmuls per key block instead of two. With HAS_TANGENT
+so besides FlashAttention's accumulator (P V) the kernel keeps T = P tV + (P * tS) V and r, rescaled
+by the running max like P V: six matmuls per key block instead of two. Both tangent products go into
+one accumulator, which keeps two (BLOCK_M, head dim) fp32 tiles in registers instead of three (the
+limit at head dim 128). With HAS_TANGENT
 off the same kernel is a plain FlashAttention-2 forward (O and the log-sum-exp).
 
 Layouts are (batch, heads, tokens, head_dim) with arbitrary strides for every input. Head dims that
@@ -37,7 +39,7 @@ def _rows(ptr, off_b, off_h, stride_b, stride_h):
 
 @triton.jit
 def _fwd_inner(
-    acc, acc_a, acc_b, l_i, m_i, r_i,
+    acc, acc_t, l_i, m_i, r_i,
     q, tq, k_ptrs, v_ptrs, tk_ptrs, tv_ptrs,
     stride_kn, stride_vn, stride_tkn, stride_tvn,
     offs_m, offs_n, lo, hi, LKV, scale, qk_scale,
@@ -77,24 +79,24 @@ def _fwd_inner(
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         v = tl.load(v_ptrs, mask=v_mask, other=pad)
+        p_in = p.to(v.dtype)
         if HAS_TANGENT:
             tkt = tl.load(tk_ptrs, mask=kt_mask, other=pad)
             ts = tl.dot(tq, kt, input_precision=PRECISION)
             ts = tl.dot(q, tkt, ts, input_precision=PRECISION) * scale
             h = p * ts
             r_i = r_i * alpha + tl.sum(h, 1)
-            acc_a = acc_a * alpha[:, None]
-            acc_b = acc_b * alpha[:, None]
+            acc_t = acc_t * alpha[:, None]
             tv = tl.load(tv_ptrs, mask=v_mask, other=pad)
-            acc_a = tl.dot(p.to(tv.dtype), tv, acc_a, input_precision=PRECISION)
-            acc_b = tl.dot(h.to(v.dtype), v, acc_b, input_precision=PRECISION)
+            acc_t = tl.dot(p_in, tv, acc_t, input_precision=PRECISION)
+            acc_t = tl.dot(h.to(v.dtype), v, acc_t, input_precision=PRECISION)
             tk_ptrs += BLOCK_N * stride_tkn
             tv_ptrs += BLOCK_N * stride_tvn
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
+        acc = tl.dot(p_in, v, acc, input_precision=PRECISION)
         m_i = m_new
         k_ptrs += BLOCK_N * stride_kn
         v_ptrs += BLOCK_N * stride_vn
-    return acc, acc_a, acc_b, l_i, m_i, r_i
+    return acc, acc_t, l_i, m_i, r_i
 
 
 @triton.jit
@@ -145,8 +147,7 @@ def _fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     r_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    acc_a = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    acc_b = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    acc_t = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     qk_scale = scale * 1.4426950408889634
 
     # key blocks needing no mask first, then the ragged end (or causal diagonal) with masks
@@ -156,13 +157,13 @@ def _fwd_kernel(
     else:
         full_hi = (LKV // BLOCK_N) * BLOCK_N
         tail_hi = LKV
-    acc, acc_a, acc_b, l_i, m_i, r_i = _fwd_inner(
-        acc, acc_a, acc_b, l_i, m_i, r_i, q, tq, k_ptrs, v_ptrs, tk_ptrs, tv_ptrs,
+    acc, acc_t, l_i, m_i, r_i = _fwd_inner(
+        acc, acc_t, l_i, m_i, r_i, q, tq, k_ptrs, v_ptrs, tk_ptrs, tv_ptrs,
         stride_kn, stride_vn, stride_tkn, stride_tvn, offs_m, offs_n, 0, full_hi, LKV, scale, qk_scale,
         BLOCK_N, HAS_TANGENT, False, CAUSAL, PRECISION,
     )
-    acc, acc_a, acc_b, l_i, m_i, r_i = _fwd_inner(
-        acc, acc_a, acc_b, l_i, m_i, r_i, q, tq, k_ptrs, v_ptrs, tk_ptrs, tv_ptrs,
+    acc, acc_t, l_i, m_i, r_i = _fwd_inner(
+        acc, acc_t, l_i, m_i, r_i, q, tq, k_ptrs, v_ptrs, tk_ptrs, tv_ptrs,
         stride_kn, stride_vn, stride_tkn, stride_tvn, offs_m, offs_n, full_hi, tail_hi, LKV, scale, qk_scale,
         BLOCK_N, HAS_TANGENT, True, CAUSAL, PRECISION,
     )
@@ -174,7 +175,7 @@ def _fwd_kernel(
     o_off = tl.multiple_of(off_b * stride_ob + off_h * stride_oh, 8) + offs_m[:, None] * stride_om + offs_d[None, :]
     tl.store(O + o_off, o.to(O.dtype.element_ty), mask=q_mask)
     if HAS_TANGENT:
-        to = (acc_a + acc_b - r_i[:, None] * o) / l_safe[:, None]
+        to = (acc_t - r_i[:, None] * o) / l_safe[:, None]
         tl.store(TO + o_off, to.to(TO.dtype.element_ty), mask=q_mask)
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
     tl.store(LSE + off_bh.to(tl.int64) * LQ + offs_m, lse, mask=offs_m < LQ)
