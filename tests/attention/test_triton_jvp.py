@@ -139,3 +139,36 @@ def test_compiles_without_graph_breaks():
     w_grad, w.grad = w.grad.clone(), None
     step(q, k, v).backward()
     torch.testing.assert_close(w_grad, w.grad)
+
+
+def _fake_flash_attn_backward(
+    dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
+    window_size_left, window_size_right, softcap, alibi_slopes, deterministic, rng_state=None,
+):
+    """flash_attn 2.7's private backward (same signature, (B, N, H, D) layout), computed the way it
+    does: P from the saved natural-log lse, dS = P * (dP - rowsum(dO * O))."""
+    assert q.shape[1:] == out.shape[1:] and softmax_lse.shape == (q.shape[0], q.shape[2], q.shape[1])
+    assert dropout_p == 0.0 and window_size_left == window_size_right == -1 and not deterministic
+    q, k, v, o, do = (x.transpose(1, 2).double() for x in (q, k, v, out, dout))  # (B, H, N, D)
+    s = softmax_scale * q @ k.transpose(-1, -2)
+    if causal:
+        s = s.masked_fill(torch.ones_like(s, dtype=torch.bool).triu(1), float("-inf"))
+    p = torch.exp(s - softmax_lse.double()[..., None])
+    dp = do @ v.transpose(-1, -2)
+    ds = p * (dp - (do * o).sum(-1, keepdim=True))
+    for buf, g in ((dq, softmax_scale * ds @ k), (dk, softmax_scale * ds.transpose(-1, -2) @ q), (dv, p.transpose(-1, -2) @ do)):
+        buf.copy_(g.transpose(1, 2))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_flash_attn_backward_call_matches_autograd_over_math(causal):
+    """flm's call into flash_attn's backward (layout, lse, keyword names), against a stand-in with
+    flash_attn 2.7's signature: flash_attn itself needs a CUDA build."""
+    q, k, v, *_ = _qkv(2, 3, 29, 29, 32, torch.float32)
+    o, _, lse = triton_jvp.attention_fwd(q, k, v, causal=causal, scale=32**-0.5)
+    do = torch.randn_like(o)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(triton_jvp, "_flash_attn_backward", lambda: _fake_flash_attn_backward)
+        got = triton_jvp.flash_attn_bwd(do, q, k, v, o, lse, causal, 32**-0.5)
+    for g, ref in zip(got, grads64(q, k, v, do, causal=causal)):
+        assert g.shape == ref.shape and rel_err(g, ref) < 1e-5
