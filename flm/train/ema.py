@@ -43,11 +43,17 @@ class EMA:
         return next(iter(self.models.values()))
 
     @torch.no_grad()
-    def update(self, model: nn.Module, step: int) -> None:
+    def update(self, model: nn.Module, step: int, apply: torch.Tensor | None = None) -> None:
+        """One averaging step; where `apply` (a 0-dim 0/1 tensor, read on the device) is 0 the averages
+        stay as they are (a skipped optimizer step)."""
         src = [local(p.detach()) for p in model.parameters()]
         for key, ema in self.models.items():
             decay = min(self.decays[key], (1 + step) / (10 + step))
-            torch._foreach_lerp_([local(p) for p in ema.parameters()], src, 1.0 - decay)
+            params = [local(p) for p in ema.parameters()]
+            if apply is None:
+                torch._foreach_lerp_(params, src, 1.0 - decay)
+            else:  # one weight tensor per parameter: a tensor weight in place of a number needs no host sync
+                torch._foreach_lerp_(params, src, [apply * (1.0 - decay)] * len(params))
             for b_ema, b in zip(ema.buffers(), model.buffers()):
                 b_ema.copy_(b)
 

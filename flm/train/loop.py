@@ -9,6 +9,11 @@ Non-finite steps: when the loss or the gradient norm is NaN/inf on any rank, the
 `trainer.max_nonfinite` such steps in a row training stops with an error (the last checkpoint is
 left as it was). Data and RNG still advance, so a resumed run skips the same steps.
 
+No host sync per step: the skip is decided on the device (flm.train.optim.optimizer_step), and the
+host reads a step's loss and finiteness one step late, after it has issued the next step's forward and
+backward (or at once on steps that log, save or finish). So the GPU never waits for Python between
+steps, and the host runs at most one step ahead.
+
 Several processes: each optimizer step takes `trainer.batch_size` images, cut into world_size x
 grad_accum micro-batches in the loader's order, and every micro-batch draws its noise from a seed of
 (seed, step, its index in that order). N ranks with A accumulation steps therefore train as one rank
@@ -38,7 +43,7 @@ from flm.log import LoggerConfig, RunLogger, progress_line
 from flm.train import checkpoint
 from flm.train.ema import EMA
 from flm.train.graphs import GraphedStep
-from flm.train.optim import OptimConfig, build_optimizer
+from flm.train.optim import OptimConfig, build_optimizer, optimizer_step
 from flm.train.parallel import PARALLEL, clip_grad_norm_, grad_sync, wrap, wrap_copy
 from flm.train.sampling import class_labels, generate, save_grid
 
@@ -127,6 +132,25 @@ def check_cuda_graph(trainer: TrainerConfig, device: torch.device, world: int) -
         problems.append("it replaces torch.compile, and trainer.compile=true")
     if problems:
         raise ValueError("trainer.cuda_graph=true cannot run here: " + "; ".join(problems) + ". Set trainer.cuda_graph=false")
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without waiting: through pinned memory on CUDA (a copy from pageable
+    memory may wait for the GPU to catch up)."""
+    if device.type == "cuda" and not t.is_pinned():
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
+
+
+def to_host_async(values: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """Start copying a small tensor to the host without waiting: (host tensor, event to wait on)."""
+    if values.device.type != "cuda":
+        return values.cpu(), None
+    host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+    host.copy_(values, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return host, event
 
 
 def rng_state(device: torch.device) -> dict:
@@ -273,6 +297,31 @@ def train(*, run_dir: str, model_fn, objective, data: DataConfig, optim: OptimCo
     metrics: dict = {}
     window_t, window_steps, loss_sum = time.perf_counter(), 0, 0.0
     t_start, step_start = time.perf_counter(), step
+    pending = None  # (step, host copy of [loss, finite, grad norm], event): a step's outcome, read one step late
+
+    def settle() -> None:
+        """Read the pending step's outcome: count it, warn about a skip, stop after too many in a row."""
+        nonlocal pending, skipped_total, skipped_run, loss_sum
+        if pending is None:
+            return
+        (at_step, values, event), pending = pending, None
+        if event is not None:
+            event.synchronize()
+        loss_value, finite_value, norm_value = values.tolist()
+        if finite_value == 1.0:
+            skipped_run = 0
+        else:
+            skipped_total, skipped_run = skipped_total + 1, skipped_run + 1
+            log.warning(f"step {at_step}: non-finite loss {loss_value} or grad norm {norm_value}; "
+                        f"skipped ({skipped_run} in a row, {skipped_total} in total)")
+            if skipped_run >= trainer.max_nonfinite:
+                raise FloatingPointError(
+                    f"{skipped_run} non-finite steps in a row (last at step {at_step}); training stopped. "
+                    f"Lower optim.lr, raise optim.warmup_steps or keep optim.grad_clip > 0, then resume "
+                    f"from the last checkpoint"
+                )
+        loss_sum += loss_value if math.isfinite(loss_value) else 0.0
+
     model.train()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -280,15 +329,16 @@ def train(*, run_dir: str, model_fn, objective, data: DataConfig, optim: OptimCo
         while step < trainer.max_steps:
             loss_step, extra_step = torch.zeros((), device=device), {}
             logs = (step + 1) % trainer.log_every == 0 or step + 1 == trainer.max_steps
+            saves = step + 1 == trainer.max_steps or (trainer.ckpt_every and (step + 1) % trainer.ckpt_every == 0)
             for micro in range(trainer.grad_accum):
                 # per step and per micro-batch, numbered over the whole step (the loader's order): resumes
                 # exactly, and N ranks x A accumulation steps draw what one rank with N x A steps draws
                 torch.manual_seed(_seed(trainer.seed, step, micro * world + rank))
                 x, y = loader.next()
-                x = x.to(device, non_blocking=True)
-                y = y.to(device, non_blocking=True) if num_classes else None
+                x = to_device(x, device)
+                y = to_device(y, device) if num_classes else None
                 if graphed is not None:
-                    step_t = torch.tensor(step, device=device)
+                    step_t = to_device(torch.tensor(step), device)
                     loss, extra = graphed(x, step_t) if y is None else graphed(x, step_t, y)
                 else:
                     with grad_sync(model, micro == trainer.grad_accum - 1):
@@ -296,33 +346,22 @@ def train(*, run_dir: str, model_fn, objective, data: DataConfig, optim: OptimCo
                 loss_step += loss.detach().float() / trainer.grad_accum
                 for k, v in extra.items() if logs else ():  # only the logged steps' metrics are read
                     extra_step[k] = extra_step.get(k, 0.0) + torch.as_tensor(v).detach().float() / trainer.grad_accum
+            settle()  # the previous step's outcome, long computed by now: the GPU has this step's work queued
             for p in objective_params:  # not inside DDP/FSDP: average by hand so ranks agree
                 if p.grad is not None:
                     p.grad = dist.all_mean(p.grad)
             grad_norm = clip_grad_norm_(params, optim.grad_clip if optim.grad_clip > 0 else math.inf)
             finite = dist.all_min((torch.isfinite(loss_step) & torch.isfinite(grad_norm)).float())
-            if finite.item() == 1.0:
-                opt.step()
-                sched.step()
-                ema.update(raw, step)
-                skipped_run = 0
-            else:
-                skipped_total, skipped_run = skipped_total + 1, skipped_run + 1
-                log.warning(f"step {step}: non-finite loss {loss_step.item()} or grad norm {grad_norm.item()}; "
-                            f"skipped ({skipped_run} in a row, {skipped_total} in total)")
-                if skipped_run >= trainer.max_nonfinite:
-                    raise FloatingPointError(
-                        f"{skipped_run} non-finite steps in a row (last at step {step}); training stopped. "
-                        f"Lower optim.lr, raise optim.warmup_steps or keep optim.grad_clip > 0, then resume "
-                        f"from the last checkpoint"
-                    )
+            optimizer_step(opt, sched, skip=1.0 - finite)
+            ema.update(raw, step, apply=finite)
             opt.zero_grad(set_to_none=True)
+            pending = (step, *to_host_async(torch.stack([loss_step, finite, grad_norm.detach().float()])))
             step += 1
             if trainer.sync_check_every and (step == step_start + 1 or step % trainer.sync_check_every == 0):
                 dist.check_in_sync(step, raw, objective)
             window_steps += 1
-            loss_value = loss_step.item()
-            loss_sum += loss_value if math.isfinite(loss_value) else 0.0
+            if logs or saves:
+                settle()
 
             if logs:
                 if device.type == "cuda":
@@ -350,7 +389,7 @@ def train(*, run_dir: str, model_fn, objective, data: DataConfig, optim: OptimCo
 
             if step == trainer.max_steps or (trainer.sample_every and step % trainer.sample_every == 0):
                 sample_grid(step)
-            if step == trainer.max_steps or (trainer.ckpt_every and step % trainer.ckpt_every == 0):
+            if saves:
                 save_checkpoint(step)
     finally:
         run_log.close()

@@ -3,6 +3,7 @@
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.tensor.experimental import implicit_replication
 
 
 @dataclass
@@ -27,8 +28,22 @@ class OptimConfig:
 
 
 def build_optimizer(params, cfg: OptimConfig):
-    """(AdamW, LambdaLR warm-up scheduler) over `params`."""
-    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, eps=cfg.eps)
+    """(AdamW, LambdaLR warm-up scheduler) over `params`; the fused AdamW kernel, which optimizer_step needs."""
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, eps=cfg.eps, fused=True)
     warmup = max(cfg.warmup_steps, 1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / warmup))
     return opt, sched
+
+
+def optimizer_step(opt: torch.optim.Optimizer, sched, skip: torch.Tensor) -> None:
+    """One optimizer and scheduler step that leaves the weights and the Adam moments (and step count) as
+    they are where `skip` (a 0-dim float tensor on the parameters' device) is 1.
+
+    The fused AdamW kernel reads `skip` on the device (the found_inf flag torch.amp.GradScaler uses), so
+    the host does not wait for the step's loss: it issues the next step while the GPU works. The
+    learning-rate schedule counts every step, skipped ones included.
+    """
+    opt.found_inf = skip
+    with implicit_replication():  # plain parameters (an objective's) next to FSDP2's DTensors in one fused call
+        opt.step()
+    sched.step()

@@ -13,7 +13,7 @@ from flm.models import build_model
 from flm.objectives import build_objective
 from flm.objectives.jvp import jvp
 from flm.train import checkpoint, parallel
-from flm.train.optim import OptimConfig, build_optimizer
+from flm.train.optim import OptimConfig, build_optimizer, optimizer_step
 
 
 @pytest.fixture
@@ -81,10 +81,10 @@ def test_clip_grad_norm_over_sharded_and_plain_gradients(group_of_one):
 
 
 def optimizer_after_a_step(model: nn.Module, objective: nn.Module):
-    opt, _ = build_optimizer(list(model.parameters()) + list(objective.parameters()), OptimConfig(lr=1e-2))
+    opt, sched = build_optimizer(list(model.parameters()) + list(objective.parameters()), OptimConfig(lr=1e-2))
     x, t = torch.randn(2, 1, 8, 8), torch.rand(2)
     (model(x, t, t).square().mean() + sum(p.square().sum() for p in objective.parameters())).backward()
-    opt.step()
+    optimizer_step(opt, sched, skip=torch.zeros(()))
     return opt
 
 

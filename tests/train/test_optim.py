@@ -1,0 +1,96 @@
+"""A skipped (non-finite) step decided on the device: the optimizer and the EMA leave everything as it
+was, with no host sync (the gpu test checks that with torch's sync debug mode)."""
+
+import pytest
+import torch
+from torch import nn
+
+from flm.objectives import build_objective
+from flm.train.ema import EMA
+from flm.train.optim import OptimConfig, build_optimizer, optimizer_step
+from flm.train.parallel import clip_grad_norm_
+from tests.models.tiny import tiny_dit
+
+
+def _model(device="cpu"):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 2)).to(device)
+
+
+def _backward(model, scale=1.0):
+    model(torch.randn(3, 4, device=next(model.parameters()).device)).sum().mul(scale).backward()
+
+
+def test_a_skipped_step_leaves_weights_moments_and_count():
+    model = _model()
+    opt, sched = build_optimizer(list(model.parameters()), OptimConfig(lr=1e-2, warmup_steps=4))
+    _backward(model)
+    optimizer_step(opt, sched, skip=torch.zeros(()))
+    opt.zero_grad()
+    weights = [p.detach().clone() for p in model.parameters()]
+    state = {k: v.clone() for k, v in opt.state[model[0].weight].items()}
+
+    _backward(model, scale=float("nan"))
+    optimizer_step(opt, sched, skip=torch.ones(()))
+    for p, w in zip(model.parameters(), weights):
+        assert torch.equal(p, w)
+    for k, v in opt.state[model[0].weight].items():
+        assert torch.equal(v, state[k]), k  # step stays 1: Adam's bias correction ignores the skip
+    assert sched.last_epoch == 2  # the schedule counts every step
+    opt.zero_grad()
+
+    _backward(model)
+    optimizer_step(opt, sched, skip=torch.zeros(()))
+    assert opt.state[model[0].weight]["step"].item() == 2
+    assert not torch.equal(model[0].weight, weights[0])
+
+
+def test_ema_update_with_apply_zero_keeps_the_averages_and_one_matches_the_plain_update():
+    model = _model()
+    ema, plain = EMA(model, [0.9, 0.99]), EMA(model, [0.9, 0.99])
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    before = [p.clone() for p in ema.default.parameters()]
+    ema.update(model, step=100, apply=torch.zeros(()))
+    for p, b in zip(ema.default.parameters(), before):
+        assert torch.equal(p, b)
+    ema.update(model, step=100, apply=torch.ones(()))
+    plain.update(model, step=100)
+    for key in ema.models:
+        for p, q in zip(ema.models[key].parameters(), plain.models[key].parameters()):
+            torch.testing.assert_close(p, q, rtol=0, atol=1e-7)
+        assert not torch.equal(next(ema.models[key].parameters()), before[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("objective_name", ["flow_matching", "meanflow", "scm"])
+def test_a_training_step_issues_no_host_sync(objective_name):
+    """loss, backward, clipping, the finiteness flag, the optimizer and the EMA: what the loop runs between
+    two steps that neither log nor save, under torch's sync debug mode (it raises on .item(), nonzero, ...)."""
+    objective = build_objective(objective_name).cuda()
+    model = tiny_dit(attention="triton_jvp", time_inputs=objective.time_inputs, input_size=16, channels=4).cuda()
+    params = list(model.parameters()) + list(objective.parameters())
+    opt, sched = build_optimizer(params, OptimConfig(lr=1e-4))
+    ema = EMA(model, [0.999])
+    x, y = torch.randn(8, 4, 16, 16, device="cuda"), torch.randint(0, 10, (8,), device="cuda")
+
+    def step(at):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss, _ = objective.loss(model, x, y, step=at)
+        loss.backward()
+        norm = clip_grad_norm_(params, 1.0)
+        finite = (torch.isfinite(loss.detach()) & torch.isfinite(norm)).float()
+        optimizer_step(opt, sched, skip=1.0 - finite)
+        ema.update(model, at, apply=finite)
+        opt.zero_grad(set_to_none=True)
+
+    step(0)  # first calls: tuning, lazy state
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for at in (1, 2):
+            step(at)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
