@@ -20,6 +20,15 @@ state at replay time, so seeding before a replay works as it does before an eage
 import torch
 
 
+def _end_failed_capture(cuda_rng: torch.Tensor) -> None:
+    """A capture that raised leaves the CUDA generator marked as capturing, and every later random op in the
+    process fails ("Offset increment outside graph capture"): give it a fresh state (not capturing), then the
+    state from before the warm-up."""
+    generator = torch.cuda.default_generators[torch.cuda.current_device()]
+    generator.graphsafe_set_state(generator.clone_state())
+    torch.cuda.set_rng_state(cuda_rng)
+
+
 class GraphedStep:
     def __init__(self, step_fn, params, *, warmup: int = 3):
         """step_fn(*inputs) -> (loss, metrics dict of tensors), with the backward inside.
@@ -51,6 +60,7 @@ class GraphedStep:
             with torch.cuda.graph(self.graph):
                 self.static_out = self.step_fn(*self.static_inputs)
         except RuntimeError as err:  # torch.AcceleratorError included
+            _end_failed_capture(rng[1])
             raise RuntimeError(
                 f"the training step could not be captured as a CUDA graph ({str(err).splitlines()[0]}); something in "
                 f"the step synchronises with the host or uses another stream. Set trainer.cuda_graph=false to train "
