@@ -10,8 +10,8 @@ autograd.Function (setup_context style, so forward-AD duals and torch.func.jvp b
 - computes its tangent in `jvp` under `no_grad`, so the tangent has no grad_fn;
 - has an exact `backward` (tests: gradcheck in float64, against autograd of the plain ops).
 
-Layers: `linear`, `layer_norm` (optional affine, per-channel or per-sample: the adaLN modulation
-`x_hat * (1 + scale) + shift` is `layer_norm(x, 1 + scale, shift)`), `gelu_tanh`, `silu` and the
+Layers: `linear`, `layer_norm` (optional affine, per-channel or per-sample; `modulate` is DiT's adaLN
+`x_hat * (1 + scale) + shift`), `gelu_tanh`, `silu` and the
 gated residual `x + gate * h`. Everything else in the DiT is linear in its inputs (reshape, add,
 chunk), saves nothing, and needs no special care. Under autocast the wrappers cast matmul inputs
 to the autocast dtype before the Function, as autocast would.
@@ -118,8 +118,9 @@ def _ln_vjp(g, x, mean, rstd):
 class _LayerNorm(torch.autograd.Function):
     # forward also returns mean and rstd (non-differentiable) so that backward and jvp reuse them
     @staticmethod
-    def forward(x, weight, bias, eps):
+    def forward(x, weight, bias, eps, one_plus):
         x_hat, mean, rstd = torch.native_layer_norm(x, (x.shape[-1],), None, None, eps)
+        weight = _affine_weight(weight, one_plus)
         if weight is not None:
             y = torch.addcmul(bias, x_hat, weight) if bias is not None else x_hat * weight
         else:
@@ -128,7 +129,8 @@ class _LayerNorm(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, weight, bias, eps = inputs
+        x, weight, bias, eps, one_plus = inputs
+        weight = _affine_weight(weight, one_plus)  # the tangent and gradient of 1 + s are those of s
         _, mean, rstd = output
         ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(mean, rstd)
@@ -137,7 +139,7 @@ class _LayerNorm(torch.autograd.Function):
         _save(ctx, x, mean, rstd, weight)
 
     @staticmethod
-    def jvp(ctx, tx, tweight, tbias, _):
+    def jvp(ctx, tx, tweight, tbias, _eps, _one_plus):
         x, mean, rstd, weight = ctx.saved_tensors
         with torch.no_grad():
             # ty = (dx_hat/dx) tx * weight + x_hat * tweight + tbias, in few kernels
@@ -153,7 +155,7 @@ class _LayerNorm(torch.autograd.Function):
     def backward(ctx, gy, _gmean, _grstd):
         x, mean, rstd, weight = ctx.saved_tensors
         if gy is None:
-            return None, None, None, None
+            return None, None, None, None, None
         gx = gw = gb = None
         if ctx.needs_input_grad[0]:
             gx = _ln_vjp(gy if weight is None else (gy * weight).to(x.dtype), x, mean, rstd)
@@ -162,7 +164,11 @@ class _LayerNorm(torch.autograd.Function):
         if ctx.bias_meta is not None and ctx.needs_input_grad[2]:
             shape, dtype = ctx.bias_meta
             gb = gy.sum_to_size(shape).to(dtype)
-        return gx, gw, gb, None
+        return gx, gw, gb, None, None
+
+
+def _affine_weight(weight, one_plus: bool):
+    return 1 + weight if one_plus and weight is not None else weight
 
 
 def layer_norm(x, weight=None, bias=None, eps: float = 1e-6) -> torch.Tensor:
@@ -170,7 +176,17 @@ def layer_norm(x, weight=None, bias=None, eps: float = 1e-6) -> torch.Tensor:
 
     Computed in x's dtype (keep the residual stream in float32 under autocast, as DiT does).
     """
-    return _LayerNorm.apply(x, weight, bias, eps)[0]
+    return _LayerNorm.apply(x, weight, bias, eps, False)[0]
+
+
+def modulate(x, shift, scale, eps: float = 1e-6) -> torch.Tensor:
+    """DiT's adaLN: layer_norm(x) * (1 + scale) + shift, with shift and scale (B, 1, D) per sample.
+
+    Same as layer_norm(x, 1 + scale, shift), with the `1 +` inside the Function: under forward-mode AD an
+    op between a dual tensor and a plain number costs ~40x a plain op on the host (torch gives the
+    number a zero tangent through its Python reference implementations), once per block and branch.
+    """
+    return _LayerNorm.apply(x, scale, shift, eps, True)[0]
 
 
 # --------------------------------------------------------------------------------------------

@@ -41,6 +41,11 @@ CASES = {
         lambda x, shift, scale: F.layer_norm(x, (D,), eps=1e-6) * (1 + scale) + shift,
         [(B, N, D), (B, 1, D), (B, 1, D)],
     ),
+    "modulate": (
+        fnn.modulate,
+        lambda x, shift, scale: F.layer_norm(x, (D,), eps=1e-6) * (1 + scale) + shift,
+        [(B, N, D), (B, 1, D), (B, 1, D)],
+    ),
     "gelu_tanh": (fnn.gelu_tanh, lambda x: F.gelu(x, approximate="tanh"), [(B, N, D)]),
     "silu": (fnn.silu, F.silu, [(B, N, D)]),
     "gated_residual": (fnn.gated_residual, lambda x, g, h: x + g * h, [(B, N, D), (B, 1, D), (B, N, D)]),

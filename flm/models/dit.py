@@ -126,8 +126,8 @@ class DiTBlock(nn.Module):
         # x (B, N, D); c_act = SiLU(conditioning) (B, D); each modulation (B, 1, D)
         mods = self.adaLN_modulation(c_act).unsqueeze(1).chunk(6, dim=-1)
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = mods
-        x = fnn.gated_residual(x, gate_msa, self.attn(fnn.layer_norm(x, 1 + scale_msa, shift_msa)))
-        x = fnn.gated_residual(x, gate_mlp, self.mlp(fnn.layer_norm(x, 1 + scale_mlp, shift_mlp)))
+        x = fnn.gated_residual(x, gate_msa, self.attn(fnn.modulate(x, shift_msa, scale_msa)))
+        x = fnn.gated_residual(x, gate_mlp, self.mlp(fnn.modulate(x, shift_mlp, scale_mlp)))
         return x
 
 
@@ -139,7 +139,7 @@ class FinalLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, c_act: torch.Tensor) -> torch.Tensor:
         shift, scale = self.adaLN_modulation(c_act).unsqueeze(1).chunk(2, dim=-1)
-        return self.linear(fnn.layer_norm(x, 1 + scale, shift))  # (B, N, p * p * C)
+        return self.linear(fnn.modulate(x, shift, scale))  # (B, N, p * p * C)
 
 
 # --------------------------------------------------------------------------------------------
