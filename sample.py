@@ -13,13 +13,13 @@ on batch_size.
 import os
 
 import hydra
-from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from flm import dist
 from flm.models import build_model
 from flm.train import checkpoint
 from flm.train.cli import report_user_errors
+from flm.train.config import objective_from_config, plain
 from flm.train.ema import ema_key
 from flm.train.loop import amp_dtype
 from flm.train.sampling import class_labels, generate, save_grid, save_npz
@@ -42,10 +42,11 @@ def run(cfg: DictConfig) -> str:
         state = bundle["ema"][key]
 
     device = dist.init(cfg.device)
-    model = build_model(**{**bundle["model_args"], "attention": "auto"})  # no JVP here: any backend
+    # names and numbers only: nothing from the file is called (flm.train.config)
+    model = build_model(**{**plain(bundle["model_args"], f"{path}: model_args"), "attention": "auto"})  # no JVP here: any backend
     model.load_state_dict(state)
     model.to(device)
-    objective = instantiate(run_cfg["objective"])
+    objective = objective_from_config(run_cfg.get("objective"), where=path)
     objective.load_state_dict(bundle["objective"])
     if hasattr(objective, "to"):
         objective.to(device)

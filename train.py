@@ -19,22 +19,22 @@ multirun the other jobs still run, and the failed ones are listed at the end.
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from flm.train import train
 from flm.train.cli import exit_if_jobs_failed, report_user_errors
+from flm.train.config import build_group
 
 
 def run(cfg: DictConfig, run_dir: str) -> dict:
     return train(
         run_dir=run_dir,
-        model_fn=instantiate(cfg.model),
-        objective=instantiate(cfg.objective),
-        data=instantiate(cfg.data),
-        optim=instantiate(cfg.optim),
-        trainer=instantiate(cfg.trainer),
-        logger=instantiate(cfg.logger),
+        model_fn=build_group(cfg, "model"),
+        objective=build_group(cfg, "objective"),
+        data=build_group(cfg, "data"),
+        optim=build_group(cfg, "optim"),
+        trainer=build_group(cfg, "trainer"),
+        logger=build_group(cfg, "logger"),
         attention=cfg.attention.backend,
         config=OmegaConf.to_container(cfg, resolve=True),
     )

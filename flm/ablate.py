@@ -32,7 +32,6 @@ import hydra
 import torch
 import torch.nn.functional as F
 from hydra.core.hydra_config import HydraConfig
-from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from flm import dist
@@ -42,6 +41,7 @@ from flm.models import MODEL_SIZES
 from flm.objectives.jvp import record_tangents
 from flm.train import train
 from flm.train.cli import report_user_errors, user_error
+from flm.train.config import build_group
 from flm.train.loop import amp_dtype
 
 # Default tolerances by compute precision: (loss, grad, tangent).
@@ -123,7 +123,7 @@ def train_with(cfg: DictConfig, backend: str, run_dir: str, side: int | None, wa
     """Train with `backend` into run_dir; a backend that cannot run here (or runs out of memory) is skipped."""
     cfg = copy.deepcopy(cfg)
     cfg.attention.backend = backend
-    model_fn, objective = instantiate(cfg.model), instantiate(cfg.objective)
+    model_fn, objective = build_group(cfg, "model"), build_group(cfg, "objective")
     built = {}
 
     def build_model(**kwargs):  # the loop's model, kept for its final weights
@@ -131,10 +131,10 @@ def train_with(cfg: DictConfig, backend: str, run_dir: str, side: int | None, wa
         return built["model"]
 
     build_model.keywords = model_fn.keywords  # the model options the loop records
-    data = ResizedData(**dataclasses.asdict(instantiate(cfg.data)), side=side)
+    data = ResizedData(**dataclasses.asdict(build_group(cfg, "data")), side=side)
     try:
-        train(run_dir=run_dir, model_fn=build_model, objective=objective, data=data, optim=instantiate(cfg.optim),
-              trainer=instantiate(cfg.trainer), logger=instantiate(cfg.logger), attention=backend,
+        train(run_dir=run_dir, model_fn=build_model, objective=objective, data=data, optim=build_group(cfg, "optim"),
+              trainer=build_group(cfg, "trainer"), logger=build_group(cfg, "logger"), attention=backend,
               config=OmegaConf.to_container(cfg, resolve=True))
     except Exception as e:
         out_of_memory = isinstance(e, torch.cuda.OutOfMemoryError)
@@ -169,10 +169,10 @@ def probe(cfg: DictConfig, backend: str, trained: Trained, dataset, device: torc
     (Not at the initial weights: DiT's zero-initialised gates and output layer keep attention out of
     the first steps' output and gradients.)
     """
-    model = instantiate(cfg.model)(**{**trained.model_args, "attention": backend})
+    model = build_group(cfg, "model")(**{**trained.model_args, "attention": backend})
     model.load_state_dict(trained.model)
     model.to(device)
-    objective = instantiate(cfg.objective)
+    objective = build_group(cfg, "objective")
     objective.load_state_dict(trained.objective)
     objective.to(device)
     micro_batch = cfg.trainer.batch_size // cfg.trainer.grad_accum
@@ -329,7 +329,7 @@ def ablate(cfg: DictConfig, run_dir: str, command: str = "python -m flm.ablate")
         results.append(result)
         reference = reference or trained
     if reference is not None:  # after all the runs, so that the probes add nothing to their peak memory
-        dataset = ResizedData(**dataclasses.asdict(instantiate(cfg.data)), side=side).build()
+        dataset = ResizedData(**dataclasses.asdict(build_group(cfg, "data")), side=side).build()
         for r in results:
             if not r.skipped:
                 r.grads, r.tangent = probe(cfg, r.backend, reference, dataset, device, dtype)

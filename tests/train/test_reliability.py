@@ -1,0 +1,66 @@
+"""The hostile- and careless-user cases of docs/reliability.md: each ends in one clear line (or works),
+runs nothing from a file, deletes nothing that is not the run's and leaves no temporary file."""
+
+import os
+
+import pytest
+import torch
+
+from flm.train import checkpoint
+from flm.train.config import objective_from_config, plain
+
+from .conftest import TINY, run_script
+from .test_entrypoints import error_of
+
+
+def crafted(run_dir, tmp_path, objective: dict) -> str:
+    """The run's checkpoint with its stored objective config replaced by `objective`."""
+    path = checkpoint.find_checkpoint(str(run_dir))
+    bundle = checkpoint.load(path)
+    bundle["config"]["objective"] = objective
+    torch.save(bundle, path)
+    return path
+
+
+def shell(marker) -> dict:
+    """A Hydra call that would create `marker` if anything instantiated it."""
+    return {"_target_": "os.system", "_args_": [f"touch {marker}"]}
+
+
+@pytest.mark.parametrize("where", ["nested", "top"])
+def test_crafted_checkpoint_runs_no_code_in_sample(tmp_path, train_run, cfg_of, sample_entry, where):
+    train_run(tmp_path / "run", ["trainer.max_steps=1", "objective=flow_matching"])
+    marker = tmp_path / "pwned"
+    objective = {"_target_": "flm.objectives.build_objective", "name": "flow_matching", "t_mean": shell(marker)}
+    crafted(tmp_path / "run", tmp_path, objective if where == "nested" else {**shell(marker), "name": "flow_matching"})
+    msg = error_of(sample_entry.run, cfg_of("sample", [f"ckpt={tmp_path / 'run'}", "n=2", "device=cpu"]))
+    assert "is not allowed" in msg and "objective" in msg
+    assert not marker.exists()
+
+
+def test_crafted_checkpoint_runs_no_code_on_resume(tmp_path, train_run):
+    train_run(tmp_path, ["trainer.max_steps=1"])
+    marker = tmp_path / "pwned"
+    crafted(tmp_path, tmp_path, {"_target_": "flm.objectives.build_objective", "name": "meanflow", "t_mean": shell(marker)})
+    train_run(tmp_path, ["trainer.resume=auto", "trainer.max_steps=2"])
+    assert not marker.exists() and checkpoint.list_checkpoints(str(tmp_path))[-1].endswith("ckpt-00000002.pt")
+
+
+def test_stored_objective_is_rebuilt_from_its_name():
+    objective = objective_from_config({"_target_": "flm.objectives.build_objective", "name": "flow_matching",
+                                       "sampler": "heun"}, where="ckpt.pt")
+    assert type(objective).__name__ == "FlowMatching"
+    with pytest.raises(ValueError, match=r"objective._target_='builtins.eval' is not allowed"):
+        objective_from_config({"_target_": "builtins.eval", "name": "meanflow"}, where="ckpt.pt")
+    with pytest.raises(ValueError, match=r"objective.foo is not an option of objective"):
+        objective_from_config({"name": "meanflow", "foo": 1}, where="ckpt.pt")
+    with pytest.raises(ValueError, match=r"x\[1\]._call_ is not allowed"):
+        plain({"x": [1, {"_call_": True}]}, "cfg")
+
+
+def test_nested_target_on_the_command_line_is_refused(tmp_path, train_run):
+    marker = tmp_path / "pwned"
+    msg = error_of(train_run, tmp_path / "run", [f"+objective.t_mean={{_target_: os.system, _args_: ['touch {marker}']}}"])
+    assert "objective.t_mean._target_ is not allowed" in msg and not marker.exists()
+    msg = error_of(train_run, tmp_path / "run", ["objective._target_=os.system"])
+    assert "objective._target_='os.system' is not allowed" in msg
