@@ -5,6 +5,9 @@ import os
 import shutil
 import sys
 
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
 from flm import dist
 
 # Failures that come from the user's input; anything else keeps its traceback.
@@ -23,15 +26,65 @@ def user_error(e: BaseException) -> BaseException | None:
     return None
 
 
-def only_hydra_files(run_dir: str) -> bool:
-    """True when the folder holds nothing but what Hydra wrote before the run started (.hydra/, the job's log)."""
-    return os.path.isdir(run_dir) and all(name == ".hydra" or name.endswith(".log") for name in os.listdir(run_dir))
+# What each recorded folder held before Hydra wrote into it (absolute path -> names; None: it did not exist).
+_BEFORE: dict[str, set[str] | None] = {}
+
+
+def record_folder(path: str) -> None:
+    """Note what `path` holds now, before Hydra creates or writes into it."""
+    path = os.path.abspath(path)
+    _BEFORE[path] = set(os.listdir(path)) if os.path.isdir(path) else None
+
+
+class RecordRunFolder(Callback):
+    """Hydra callback (configs/train.yaml): records the run folder (a multirun's sweep folder) before
+    Hydra writes into it, so that a failed run removes only what it wrote there."""
+
+    def on_run_start(self, config: DictConfig, **kwargs) -> None:
+        record_folder(config.hydra.run.dir)
+
+    def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        record_folder(config.hydra.sweep.dir)
+
+
+def names_before(run_dir: str) -> set[str] | None:
+    """The names `run_dir` held before this run (None: it did not exist); KeyError when nobody recorded it."""
+    if run_dir in _BEFORE:
+        return _BEFORE[run_dir]
+    parent = _BEFORE[os.path.dirname(run_dir)]  # a multirun's job folder: new unless its sweep folder had it
+    if parent is None or os.path.basename(run_dir) not in parent:
+        return None
+    raise KeyError(run_dir)
+
+
+def remove_what_the_run_wrote(run_dir: str) -> None:
+    """Undo a run that failed before writing anything of its own: remove the files Hydra added for it
+    (.hydra/, the job's log) and the folder itself if the run created it. Anything else in the folder,
+    and every folder the run did not record (flm.train.cli.RecordRunFolder), stays as it is."""
+    run_dir = os.path.abspath(run_dir)
+    try:
+        before = names_before(run_dir)
+    except KeyError:
+        return
+    if not os.path.isdir(run_dir):
+        return
+    new = set(os.listdir(run_dir)) - (before or set())
+    if not all(name == ".hydra" or name.endswith(".log") for name in new):
+        return  # the run wrote something of its own: keep it all for the user to look at
+    for name in new:
+        target = os.path.join(run_dir, name)
+        if os.path.isdir(target):
+            shutil.rmtree(target)
+        else:
+            os.remove(target)
+    if before is None and not os.listdir(run_dir):
+        os.rmdir(run_dir)
 
 
 @contextlib.contextmanager
 def report_user_errors(run_dir: str | None = None, *, job: str | None = None):
     """Print `error: <message>` and exit 1 on a user error (HYDRA_FULL_ERROR=1: the traceback instead);
-    remove `run_dir` when the run wrote nothing into it yet. Closes the process group either way.
+    undo what Hydra wrote into `run_dir` when the run wrote nothing there yet (remove_what_the_run_wrote). Closes the process group either way.
 
     job: the job's name in a multirun; its error is printed and kept in FAILED_JOBS instead of exiting,
     so the other jobs still run (the entry point exits 1 at the end: exit_if_jobs_failed).
@@ -43,8 +96,8 @@ def report_user_errors(run_dir: str | None = None, *, job: str | None = None):
         if cause is None or os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
         print(f"error: {cause}", file=sys.stderr, flush=True)
-        if run_dir and dist.is_main() and only_hydra_files(run_dir):
-            shutil.rmtree(run_dir, ignore_errors=True)  # leave nothing half-written behind
+        if run_dir and dist.is_main():
+            remove_what_the_run_wrote(run_dir)  # leave nothing half-written behind, and nothing of the user's lost
         if job is None:
             sys.exit(1)
         FAILED_JOBS.append(f"{job}: {cause}")

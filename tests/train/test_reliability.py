@@ -64,3 +64,22 @@ def test_nested_target_on_the_command_line_is_refused(tmp_path, train_run):
     assert "objective.t_mean._target_ is not allowed" in msg and not marker.exists()
     msg = error_of(train_run, tmp_path / "run", ["objective._target_=os.system"])
     assert "objective._target_='os.system' is not allowed" in msg
+
+
+@pytest.mark.parametrize("content", [{"server.log": "important\n"}, {}, {"train.log": "an earlier run\n"}])
+def test_a_failed_run_keeps_a_folder_it_did_not_create(tmp_path, content):
+    folder = tmp_path / "mylogs"
+    folder.mkdir()
+    for name, text in content.items():
+        (folder / name).write_text(text)
+    rc, _, err = run_script("train", *TINY, f"run_dir={folder}", "trainer.resume=auto")
+    assert rc == 1 and err.strip().startswith("error: trainer.resume=auto but run folder")
+    assert sorted(os.listdir(folder)) == sorted(content)  # Hydra's .hydra/ is gone, the user's files are not
+    assert all((folder / name).read_text().startswith(text) for name, text in content.items())
+
+
+def test_a_failed_multirun_job_removes_only_its_own_folder(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine\n")
+    rc, _, err = run_script("train", "-m", *TINY, "trainer.batch_size=0", f"hydra.sweep.dir={tmp_path}")
+    assert rc == 1 and "trainer.batch_size must be > 0" in err
+    assert sorted(os.listdir(tmp_path)) == ["multirun.yaml", "notes.txt"]
