@@ -43,7 +43,7 @@ from flm.log import LoggerConfig, RunLogger, progress_line
 from flm.train import checkpoint
 from flm.train.ema import EMA
 from flm.train.graphs import GraphedStep
-from flm.train.optim import OptimConfig, build_optimizer, optimizer_step
+from flm.train.optim import OptimConfig, build_optimizer, load_schedule, optimizer_step
 from flm.train.parallel import PARALLEL, clip_grad_norm_, grad_sync, wrap, wrap_copy
 from flm.train.sampling import class_labels, generate, save_grid
 
@@ -242,7 +242,7 @@ def train(*, run_dir: str, model_fn, objective, data: DataConfig, optim: OptimCo
     if bundle is not None:
         ema.load_state_dict(bundle["ema"])
         checkpoint.load_optimizer_state(trained, opt, bundle["optimizer"])
-        sched.load_state_dict(bundle["scheduler"])
+        load_schedule(opt, sched, bundle["scheduler"], optim)  # optim.* of this run, not of the checkpoint
         loader.load_state_dict(bundle["data"])
         set_rng_state(bundle["rng"], device)
         step = int(bundle["step"])

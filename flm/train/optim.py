@@ -1,5 +1,6 @@
 """AdamW with a linear learning-rate warm-up (then constant, as MeanFlow and sCM train)."""
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -17,8 +18,8 @@ class OptimConfig:
 
     def __post_init__(self):
         self.betas = tuple(float(b) for b in self.betas)
-        if not self.lr > 0:
-            raise ValueError(f"optim.lr must be > 0, got {self.lr}; pass e.g. optim.lr=1e-4")
+        if not 0 < self.lr < math.inf:
+            raise ValueError(f"optim.lr must be a finite number > 0, got {self.lr}; pass e.g. optim.lr=1e-4")
         if self.warmup_steps < 0:
             raise ValueError(f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
         if self.grad_clip < 0:
@@ -27,12 +28,28 @@ class OptimConfig:
             raise ValueError(f"optim.betas must be two numbers in [0, 1), got {list(self.betas)}")
 
 
+def warmup_factor(cfg: OptimConfig, step: int) -> float:
+    """The learning rate at scheduler step `step` is cfg.lr times this."""
+    return min(1.0, (step + 1) / max(cfg.warmup_steps, 1))
+
+
 def build_optimizer(params, cfg: OptimConfig):
     """(AdamW, LambdaLR warm-up scheduler) over `params`; the fused AdamW kernel, which optimizer_step needs."""
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, eps=cfg.eps, fused=True)
-    warmup = max(cfg.warmup_steps, 1)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / warmup))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: warmup_factor(cfg, step))
     return opt, sched
+
+
+def load_schedule(opt: torch.optim.Optimizer, sched, state: dict, cfg: OptimConfig) -> None:
+    """Resume the schedule at its saved position with this run's settings: after loading the optimizer's
+    state (which holds the old run's hyperparameters), lr, warm-up, betas, weight decay and eps are
+    `cfg`'s, so a resume with a new optim.lr trains with it."""
+    sched.load_state_dict({k: state[k] for k in sched.state_dict() if k in state})  # the scheduler's own keys only
+    lr = cfg.lr * warmup_factor(cfg, sched.last_epoch)
+    for group in opt.param_groups:
+        group.update(lr=lr, initial_lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, eps=cfg.eps)
+    sched.base_lrs = [cfg.lr] * len(opt.param_groups)
+    sched._last_lr = [lr] * len(opt.param_groups)  # what get_last_lr() reports until the next step
 
 
 def optimizer_step(opt: torch.optim.Optimizer, sched, skip: torch.Tensor) -> None:

@@ -58,8 +58,9 @@ def test_bad_value_is_one_line_and_leaves_nothing(tmp_path):
 
 @pytest.mark.parametrize("override,expected", [
     ("trainer.batch_size=-4", "trainer.batch_size must be > 0, got -4"),
-    ("optim.lr=0", "optim.lr must be > 0, got 0"),
-    ("optim.lr=-1e-3", "optim.lr must be > 0, got -0.001"),
+    ("optim.lr=0", "optim.lr must be a finite number > 0, got 0"),
+    ("optim.lr=-1e-3", "optim.lr must be a finite number > 0, got -0.001"),
+    ("optim.lr=inf", "optim.lr must be a finite number > 0, got inf"),
     ("trainer.grad_accum=3", "trainer.batch_size=4 is not divisible by world size x grad_accum = 1 x 3"),
     ("data=mnist", "does not exist"),
 ])

@@ -7,7 +7,7 @@ from torch import nn
 
 from flm.objectives import build_objective
 from flm.train.ema import EMA
-from flm.train.optim import OptimConfig, build_optimizer, optimizer_step
+from flm.train.optim import OptimConfig, build_optimizer, load_schedule, optimizer_step
 from flm.train.parallel import clip_grad_norm_
 from tests.models.tiny import tiny_dit
 
@@ -94,3 +94,22 @@ def test_a_training_step_issues_no_host_sync(objective_name):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
+
+
+def test_a_resumed_schedule_uses_the_new_settings():
+    old = OptimConfig(lr=1e-3, warmup_steps=10, weight_decay=0.1)
+    model = _model()
+    opt, sched = build_optimizer(list(model.parameters()), old)
+    for _ in range(3):
+        _backward(model)
+        optimizer_step(opt, sched, skip=torch.zeros(()))
+    new = OptimConfig(lr=1e-5, warmup_steps=10, weight_decay=0.0)
+    opt2, sched2 = build_optimizer(list(model.parameters()), new)
+    opt2.load_state_dict(opt.state_dict())
+    assert opt2.param_groups[0]["lr"] == pytest.approx(1e-3 * 4 / 10)  # the checkpoint's, until load_schedule
+    load_schedule(opt2, sched2, sched.state_dict(), new)
+    assert opt2.param_groups[0]["lr"] == pytest.approx(1e-5 * 4 / 10) == sched2.get_last_lr()[0]
+    assert opt2.param_groups[0]["weight_decay"] == 0.0 and sched2.last_epoch == 3
+    _backward(model)
+    optimizer_step(opt2, sched2, skip=torch.zeros(()))
+    assert opt2.param_groups[0]["lr"] == pytest.approx(1e-5 * 5 / 10)

@@ -83,3 +83,18 @@ def test_a_failed_multirun_job_removes_only_its_own_folder(tmp_path):
     rc, _, err = run_script("train", "-m", *TINY, "trainer.batch_size=0", f"hydra.sweep.dir={tmp_path}")
     assert rc == 1 and "trainer.batch_size must be > 0" in err
     assert sorted(os.listdir(tmp_path)) == ["multirun.yaml", "notes.txt"]
+
+
+def metrics_of(run_dir) -> list[dict]:
+    import json
+
+    return [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+
+
+def test_a_resume_trains_with_the_new_learning_rate(tmp_path, train_run):
+    train_run(tmp_path, ["trainer.max_steps=2", "optim.warmup_steps=0"])
+    train_run(tmp_path, ["trainer.resume=auto", "trainer.max_steps=4", "optim.warmup_steps=0", "optim.lr=1e-5"])
+    records = metrics_of(tmp_path)
+    assert [r["lr"] for r in records] == [pytest.approx(1e-3), pytest.approx(1e-5)]
+    bundle = checkpoint.load(checkpoint.find_checkpoint(str(tmp_path)))
+    assert bundle["optimizer"]["param_groups"][0]["lr"] == pytest.approx(1e-5) == bundle["config"]["optim"]["lr"]
