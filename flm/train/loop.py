@@ -7,7 +7,9 @@ and, for sample grids, `objective.sample(...)`.
 Non-finite steps: when the loss or the gradient norm is NaN/inf on any rank, the optimizer step
 (and the EMA update) is skipped on every rank with a warning, and the count is logged; after
 `trainer.max_nonfinite` such steps in a row training stops with an error (the last checkpoint is
-left as it was). Data and RNG still advance, so a resumed run skips the same steps.
+left as it was). Data and RNG still advance, so a resumed run skips the same steps. An update can
+also overflow from a finite loss and gradient (a huge learning rate): the weights (the EMAs included)
+are checked at every step that logs or saves, and training stops before non-finite weights are saved.
 
 No host sync per step: the skip is decided on the device (flm.train.optim.optimizer_step), and the
 host reads a step's loss and finiteness one step late, after it has issued the next step's forward and
@@ -44,7 +46,7 @@ from flm.train import checkpoint
 from flm.train.ema import EMA
 from flm.train.graphs import GraphedStep
 from flm.train.optim import OptimConfig, build_optimizer, load_schedule, optimizer_step
-from flm.train.parallel import PARALLEL, clip_grad_norm_, grad_sync, wrap, wrap_copy
+from flm.train.parallel import PARALLEL, clip_grad_norm_, grad_sync, local, wrap, wrap_copy
 from flm.train.sampling import class_labels, generate, save_grid
 
 log = logging.getLogger("flm")
@@ -185,6 +187,21 @@ def resolve_resume(resume: str | None, run_dir: str) -> str | None:
             )
         return found[-1]
     return checkpoint.find_checkpoint(str(resume))
+
+
+@torch.no_grad()
+def check_finite_weights(step: int, run_dir: str, lr: float, *modules: nn.Module) -> None:
+    """Stop before non-finite weights are logged as trained or saved: an update can overflow although
+    its loss and gradients were finite (a huge learning rate), and the step skip only sees those."""
+    tensors = [local(p) for m in modules for p in m.parameters()]
+    finite = dist.all_min(torch.stack(torch._foreach_norm(tensors)).isfinite().all().float())  # one host sync
+    if finite.item() != 1.0:
+        saved = checkpoint.list_checkpoints(run_dir)
+        raise FloatingPointError(
+            f"the weights are not finite after step {step} (an update overflowed at learning rate {lr:g}); "
+            f"nothing was saved from them ({f'the latest checkpoint is still {saved[-1]}' if saved else 'no checkpoint yet'}). "
+            f"Lower optim.lr, then resume from the last checkpoint or start anew"
+        )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -362,6 +379,7 @@ def train(*, run_dir: str, model_fn, objective, data: DataConfig, optim: OptimCo
             window_steps += 1
             if logs or saves:
                 settle()
+                check_finite_weights(step, run_dir, sched.get_last_lr()[0], trained, *ema.models.values())
 
             if logs:
                 if device.type == "cuda":

@@ -98,3 +98,12 @@ def test_a_resume_trains_with_the_new_learning_rate(tmp_path, train_run):
     assert [r["lr"] for r in records] == [pytest.approx(1e-3), pytest.approx(1e-5)]
     bundle = checkpoint.load(checkpoint.find_checkpoint(str(tmp_path)))
     assert bundle["optimizer"]["param_groups"][0]["lr"] == pytest.approx(1e-5) == bundle["config"]["optim"]["lr"]
+
+
+def test_an_overflowing_update_is_never_saved(tmp_path, train_run):
+    train_run(tmp_path, ["trainer.max_steps=2", "optim.warmup_steps=0"])
+    msg = error_of(train_run, tmp_path, ["trainer.resume=auto", "trainer.max_steps=6", "optim.lr=1e39",
+                                         "optim.warmup_steps=0", "trainer.ckpt_every=1"])
+    assert "the weights are not finite after step 3" in msg and "ckpt-00000002.pt" in msg and "optim.lr" in msg
+    latest = checkpoint.load(checkpoint.find_checkpoint(str(tmp_path)))
+    assert latest["step"] == 2 and all(t.isfinite().all() for t in latest["model"].values())
