@@ -23,6 +23,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from flm.files import write_atomically
+
 FORMAT = 1
 _NAME = re.compile(r"ckpt-(\d+)\.pt$")
 
@@ -59,14 +61,24 @@ def find_checkpoint(path: str) -> str:
 
 def save(bundle: dict, path: str, *, keep_last: int = 0) -> None:
     """Write `bundle` to `path` through a temporary file and a rename, then delete all but the
-    `keep_last` newest checkpoints of the folder (keep_last <= 0 keeps all)."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.tmp"
-    torch.save({"format": FORMAT, **bundle}, tmp)
-    os.replace(tmp, path)
+    `keep_last` newest checkpoints of the folder (keep_last <= 0 keeps all). A full disk ends in one
+    line and leaves no temporary file (flm.files.write_atomically)."""
+    bundle = {"format": FORMAT, **bundle}
+    write_atomically(path, lambda tmp: torch.save(bundle, tmp), needed_bytes=tensor_bytes(bundle))
     if keep_last > 0:
         for old in list_checkpoints(os.path.dirname(os.path.dirname(path)))[:-keep_last]:
             os.remove(old)
+
+
+def tensor_bytes(obj) -> int:
+    """The bytes of the tensors in a nested bundle: about what its file takes."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(v) for v in obj)
+    return 0
 
 
 def load(path: str) -> dict:

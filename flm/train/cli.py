@@ -9,6 +9,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from flm import dist
+from flm.files import DISK_ERRNOS
 
 # Failures that come from the user's input; anything else keeps its traceback.
 USER_ERRORS = (ValueError, FileNotFoundError, FloatingPointError)
@@ -21,6 +22,8 @@ def user_error(e: BaseException) -> BaseException | None:
     """The user-facing error behind `e` (Hydra's instantiate wraps the errors of config targets), else None."""
     if type(e).__name__ == "InstantiationException" and e.__cause__ is not None:
         e = e.__cause__
+    if isinstance(e, OSError) and e.errno in DISK_ERRNOS:  # a full disk, a read-only folder: not a bug
+        return e
     if isinstance(e, USER_ERRORS) or (isinstance(e, ImportError) and "pip install" in str(e)):
         return e
     return None

@@ -2,11 +2,11 @@
 
 import contextlib
 import math
-import os
 
 import numpy as np
 import torch
 
+from flm.files import write_atomically
 from flm.objectives.paths import randn_per_image
 
 def class_labels(n: int, num_classes: int, label: int | None = None) -> torch.Tensor | None:
@@ -64,15 +64,12 @@ def save_grid(images: torch.Tensor, path: str, nrow: int | None = None) -> None:
         r, q = divmod(i, nrow)
         grid[pad + r * (h + pad): pad + r * (h + pad) + h, pad + q * (w + pad): pad + q * (w + pad) + w] = pixels[i]
     image = Image.fromarray(grid[..., 0] if c == 1 else grid)
-    tmp = f"{path}.tmp"
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    image.save(tmp, format="PNG")
-    os.replace(tmp, path)
+    write_atomically(path, lambda tmp: image.save(tmp, format="PNG"), needed_bytes=grid.nbytes // 4)
 
 
 def save_npz(path: str, images: torch.Tensor, seeds, labels) -> None:
     """images (uint8 N, H, W, C), seeds and labels (-1 when unconditional), written atomically."""
-    tmp = f"{path}.tmp.npz"
     labels = np.full(len(seeds), -1) if labels is None else labels.numpy()
-    np.savez(tmp, images=to_uint8(images), seeds=np.asarray(seeds), labels=labels)
-    os.replace(tmp, path)
+    pixels = to_uint8(images)
+    write_atomically(path, lambda tmp: np.savez(tmp, images=pixels, seeds=np.asarray(seeds), labels=labels),
+                     needed_bytes=pixels.nbytes, tmp_suffix=".tmp.npz")  # np.savez adds .npz to other names

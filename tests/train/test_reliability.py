@@ -107,3 +107,47 @@ def test_an_overflowing_update_is_never_saved(tmp_path, train_run):
     assert "the weights are not finite after step 3" in msg and "ckpt-00000002.pt" in msg and "optim.lr" in msg
     latest = checkpoint.load(checkpoint.find_checkpoint(str(tmp_path)))
     assert latest["step"] == 2 and all(t.isfinite().all() for t in latest["model"].values())
+
+
+def leftovers(folder) -> list[str]:
+    return [os.path.join(d, f) for d, _, files in os.walk(folder) for f in files if ".tmp" in f]
+
+
+def test_a_full_disk_is_one_line_and_keeps_the_earlier_checkpoints(tmp_path, train_run, monkeypatch):
+    import collections
+
+    import flm.files
+
+    train_run(tmp_path, ["trainer.max_steps=2"])
+    earlier = checkpoint.find_checkpoint(str(tmp_path))
+
+    def save_until_full(obj, f):  # what torch.save does on a full disk: a partial file, then a RuntimeError
+        open(f, "wb").write(b"PK\x03\x04 partial")
+        raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 1472 vs 1380")
+
+    monkeypatch.setattr(checkpoint.torch, "save", save_until_full)
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(flm.files.shutil, "disk_usage", lambda path: usage(100, 100, 0))
+    msg = error_of(train_run, tmp_path, ["trainer.resume=auto", "trainer.max_steps=4"])
+    assert msg.startswith("disk full: writing") and "ckpt-00000004.pt" in msg and "MiB" in msg and "on '/" in msg
+    assert leftovers(tmp_path) == [] and checkpoint.find_checkpoint(str(tmp_path)) == earlier
+    assert checkpoint.load(earlier)["step"] == 2
+
+
+@pytest.mark.parametrize("code", ["EROFS", "ENOSPC"])
+def test_sample_to_a_read_only_or_full_output(tmp_path, train_run, cfg_of, sample_entry, monkeypatch, code):
+    import errno
+
+    from PIL import Image
+
+    train_run(tmp_path / "run", ["trainer.max_steps=1"])
+
+    def fail(self, fp, *args, **kwargs):
+        open(fp, "wb").write(b"\x89PNG partial")
+        raise OSError(getattr(errno, code), os.strerror(getattr(errno, code)), fp)
+
+    monkeypatch.setattr(Image.Image, "save", fail)
+    out = tmp_path / "out" / "x"
+    msg = error_of(sample_entry.run, cfg_of("sample", [f"ckpt={tmp_path / 'run'}", "n=2", "device=cpu", f"out={out}"]))
+    assert (msg.startswith("cannot write") if code == "EROFS" else msg.startswith("disk full")) and str(out) in msg
+    assert leftovers(tmp_path / "out") == [] and not out.with_suffix(".png").exists()

@@ -1,0 +1,74 @@
+"""Files written whole or not at all (a temporary file, then a rename), and one clear line when the disk
+is full or the folder read-only: the temporary file is removed and the earlier files stay intact."""
+
+import contextlib
+import errno
+import os
+import shutil
+
+# OSErrors that say where the fault is (the disk, the folder's permissions), not the program.
+DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
+
+
+class DiskError(OSError):
+    """A write that failed because of the disk or the folder; its message says which and what to do."""
+
+    def __str__(self) -> str:
+        return self.strerror
+
+
+def write_atomically(path: str, write, *, needed_bytes: int | None = None, tmp_suffix: str = ".tmp") -> None:
+    """write(tmp) for a temporary file next to `path`, then rename it to `path`. On any failure the
+    temporary file is removed; a full disk or an unwritable folder raises disk_error's DiskError.
+
+    needed_bytes: about what the file takes, to name the space needed and to recognise a full disk
+    behind writers that do not say so (torch.save reports it as a RuntimeError).
+    """
+    folder = os.path.dirname(os.path.abspath(path))
+    tmp = path + tmp_suffix
+    try:
+        os.makedirs(folder, exist_ok=True)
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException as e:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        error = disk_error(e, path, needed_bytes)
+        if error is None:
+            raise
+        raise error from None
+
+
+def disk_error(e: BaseException, path: str, needed_bytes: int | None) -> DiskError | None:
+    """The one-line OSError behind a failed write of `path` when the disk is full or the folder not
+    writable; None when the failure is something else."""
+    folder = existing_parent(os.path.dirname(os.path.abspath(path)))
+    code = e.errno if isinstance(e, OSError) else None
+    if code in (errno.EROFS, errno.EACCES, errno.EPERM):
+        return DiskError(code, f"cannot write {path!r}: {os.strerror(code)} in {folder!r}; make the folder writable "
+                             f"or write elsewhere (run_dir=... for train.py, out=... for sample.py)")
+    free = shutil.disk_usage(folder).free
+    if code in (errno.ENOSPC, errno.EDQUOT) or (needed_bytes is not None and free < needed_bytes):
+        need = f"about {_size(needed_bytes)}" if needed_bytes is not None else "more"
+        return DiskError(errno.ENOSPC, f"disk full: writing {path!r} on {mount_point(folder)!r} needs {need}, "
+                                     f"{_size(free)} free; nothing was written and earlier files are intact. "
+                                     f"Free some space there or write elsewhere")
+    return None
+
+
+def existing_parent(path: str) -> str:
+    while not os.path.isdir(path):
+        path = os.path.dirname(path)
+    return path
+
+
+def mount_point(path: str) -> str:
+    """The mount point of the disk that holds `path`."""
+    path = os.path.realpath(path)
+    while not os.path.ismount(path):
+        path = os.path.dirname(path)
+    return path
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n < 2**30 else f"{n / 2**30:.2f} GiB"
