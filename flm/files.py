@@ -72,3 +72,39 @@ def mount_point(path: str) -> str:
 
 def _size(n: int) -> str:
     return f"{n / 2**20:.1f} MiB" if n < 2**30 else f"{n / 2**30:.2f} GiB"
+
+
+# ----------------------------------------------------------------------------------------------
+# One process per run folder
+# ----------------------------------------------------------------------------------------------
+
+LOCK_NAME = ".lock"
+_HELD: dict[str, int] = {}  # folder -> the open lock file of this process
+
+
+def lock_folder(folder: str) -> None:
+    """Hold an exclusive lock on `folder` (its .lock file, with this process's id) until unlock_folder or
+    the process ends; another process holding it is refused at once. Held already by this process: no-op."""
+    folder = os.path.abspath(folder)
+    if folder in _HELD:
+        return
+    import fcntl
+
+    os.makedirs(folder, exist_ok=True)
+    fd = os.open(os.path.join(folder, LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise ValueError(f"run folder {folder!r} is in use by another run (process {holder} holds "
+                         f"{os.path.join(folder, LOCK_NAME)}); wait for it to end or choose another run_dir") from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    _HELD[folder] = fd
+
+
+def unlock_folder(folder: str) -> None:
+    fd = _HELD.pop(os.path.abspath(folder), None)
+    if fd is not None:
+        os.close(fd)  # the file stays: removing it could let two processes lock two different files

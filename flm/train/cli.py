@@ -9,7 +9,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from flm import dist
-from flm.files import DISK_ERRNOS
+from flm.files import DISK_ERRNOS, LOCK_NAME
 
 # Failures that come from the user's input; anything else keeps its traceback.
 USER_ERRORS = (ValueError, FileNotFoundError, FloatingPointError)
@@ -62,7 +62,7 @@ def names_before(run_dir: str) -> set[str] | None:
 
 def remove_what_the_run_wrote(run_dir: str) -> None:
     """Undo a run that failed before writing anything of its own: remove the files Hydra added for it
-    (.hydra/, the job's log) and the folder itself if the run created it. Anything else in the folder,
+    (.hydra/, the job's log), its lock file and the folder itself if the run created it. Anything else in the folder,
     and every folder the run did not record (flm.train.cli.RecordRunFolder), stays as it is."""
     run_dir = os.path.abspath(run_dir)
     try:
@@ -72,7 +72,7 @@ def remove_what_the_run_wrote(run_dir: str) -> None:
     if not os.path.isdir(run_dir):
         return
     new = set(os.listdir(run_dir)) - (before or set())
-    if not all(name == ".hydra" or name.endswith(".log") for name in new):
+    if not all(name in (".hydra", LOCK_NAME) or name.endswith(".log") for name in new):
         return  # the run wrote something of its own: keep it all for the user to look at
     for name in new:
         target = os.path.join(run_dir, name)

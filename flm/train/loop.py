@@ -41,6 +41,7 @@ from torch import nn
 
 from flm import dist
 from flm.data import DataConfig, Loader, _seed
+from flm.files import lock_folder, unlock_folder
 from flm.log import LoggerConfig, RunLogger, progress_line
 from flm.train import checkpoint
 from flm.train.ema import EMA
@@ -220,6 +221,8 @@ def train(*, run_dir: str, model_fn, objective, data: DataConfig, optim: OptimCo
     device = dist.init(trainer.device)
     rank, world = dist.rank(), dist.world_size()
     run_dir = dist.broadcast_object(run_dir)  # ranks may have resolved ${now:...} a second apart
+    if dist.is_main():
+        lock_folder(run_dir)  # one run per folder: a second process is refused before it writes anything
     micro_batch = local_batch_size(trainer.batch_size, trainer.grad_accum, world)
     dtype = amp_dtype(trainer.precision, device)
     check_attention(attention, device, dtype)
@@ -411,5 +414,6 @@ def train(*, run_dir: str, model_fn, objective, data: DataConfig, optim: OptimCo
                 save_checkpoint(step)
     finally:
         run_log.close()
+        unlock_folder(run_dir)
     dist.info0(f"done: {step} steps; checkpoint {checkpoint.checkpoint_path(run_dir, step)}")
     return metrics

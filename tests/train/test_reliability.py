@@ -151,3 +151,16 @@ def test_sample_to_a_read_only_or_full_output(tmp_path, train_run, cfg_of, sampl
     msg = error_of(sample_entry.run, cfg_of("sample", [f"ckpt={tmp_path / 'run'}", "n=2", "device=cpu", f"out={out}"]))
     assert (msg.startswith("cannot write") if code == "EROFS" else msg.startswith("disk full")) and str(out) in msg
     assert leftovers(tmp_path / "out") == [] and not out.with_suffix(".png").exists()
+
+
+def test_a_second_run_in_a_folder_in_use_is_refused(tmp_path, train_run):
+    import fcntl
+
+    train_run(tmp_path, ["trainer.max_steps=1"])  # a finished run leaves its folder unlocked
+    before = sorted(os.listdir(tmp_path))
+    with open(tmp_path / ".lock", "w") as held:  # another process's lock, as far as flock is concerned
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        msg = error_of(train_run, tmp_path, ["trainer.resume=auto", "trainer.max_steps=2"])
+    assert "is in use by another run" in msg and "choose another run_dir" in msg
+    assert sorted(os.listdir(tmp_path)) == before and checkpoint.load(checkpoint.find_checkpoint(str(tmp_path)))["step"] == 1
+    train_run(tmp_path, ["trainer.resume=auto", "trainer.max_steps=2"])  # free again
