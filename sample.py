@@ -11,6 +11,7 @@ on batch_size.
 """
 
 import os
+from dataclasses import dataclass
 
 import hydra
 from omegaconf import DictConfig
@@ -23,13 +24,37 @@ from flm.train.config import objective_from_config, plain
 from flm.train.ema import ema_key
 from flm.train.loop import amp_dtype
 from flm.train.sampling import class_labels, generate, save_grid, save_npz
+from flm.typed import check_fields, typed
+
+
+@dataclass
+class SampleConfig:
+    """configs/sample.yaml's options, checked (see there for what each does)."""
+
+    ckpt: str
+    steps: int | None = None
+    n: int = 64
+    cfg_scale: float = 1.0
+    label: int | None = None
+    seed: int = 0
+    batch_size: int = 64
+    weights: str = "ema"
+    ema_decay: float | None = None
+    device: str = "auto"
+    precision: str = "auto"
+    out: str | None = None
+
+    def __post_init__(self):
+        check_fields(self, "")
+        if self.n <= 0 or self.batch_size <= 0 or (self.steps is not None and self.steps <= 0):
+            raise ValueError(f"n, batch_size and steps must be > 0, got n={self.n} batch_size={self.batch_size} "
+                             f"steps={self.steps}")
+        if self.weights not in ("ema", "raw"):
+            raise ValueError(f"weights must be ema or raw, got {self.weights!r}")
 
 
 def run(cfg: DictConfig) -> str:
-    if cfg.n <= 0 or cfg.batch_size <= 0:
-        raise ValueError(f"n and batch_size must be > 0, got n={cfg.n} batch_size={cfg.batch_size}")
-    if cfg.weights not in ("ema", "raw"):
-        raise ValueError(f"weights must be ema or raw, got {cfg.weights!r}")
+    cfg = SampleConfig(**cfg)
     path = checkpoint.find_checkpoint(cfg.ckpt)
     bundle = checkpoint.load(path)
     run_cfg = bundle["config"]
@@ -51,7 +76,7 @@ def run(cfg: DictConfig) -> str:
     if hasattr(objective, "to"):
         objective.to(device)
 
-    steps = cfg.steps if cfg.steps is not None else run_cfg["trainer"]["sample_steps"]
+    steps = cfg.steps if cfg.steps is not None else typed(run_cfg["trainer"]["sample_steps"], int, f"{path}: trainer.sample_steps")
     seeds = list(range(cfg.seed, cfg.seed + cfg.n))
     num_classes = bundle["model_args"]["num_classes"]
     labels = class_labels(cfg.n, num_classes, cfg.label)

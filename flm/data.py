@@ -19,6 +19,8 @@ from importlib import resources
 import numpy as np
 import torch
 
+from flm.typed import check_fields
+
 DATASETS = ("mnist_shipped", "mnist", "fashion_mnist", "cifar10", "imagefolder")
 
 # torchvision's folder layout under `root`, and the files that must be there.
@@ -80,17 +82,39 @@ class ImageFiles(torch.utils.data.Dataset):
                 f"put images there or point data.root at another folder"
             ) from None
         self.num_classes, self.channels, self.resolution = len(self.folder.classes), channels, resolution
+        check_images([path for path, _ in self.folder.samples], root)
 
     def __len__(self):
         return len(self.folder)
 
     def __getitem__(self, i):
-        x, y = self.folder[i]
+        try:
+            x, y = self.folder[i]
+        except OSError as e:  # a file truncated past its header
+            raise ValueError(f"image {self.folder.samples[i][0]!r} is unreadable ({e}); remove or replace it") from None
         return x.float() / 127.5 - 1, y
 
     def __getitems__(self, indices):
         items = [self[int(i)] for i in indices]
         return torch.stack([x for x, _ in items]), torch.tensor([y for _, y in items])
+
+
+def check_images(paths: list[str], root: str) -> None:
+    """Refuse at startup, not mid-training, a folder with files that PIL cannot identify. Only the headers
+    are read (fast on large folders); a file broken further in fails when read, naming itself."""
+    from PIL import Image, UnidentifiedImageError
+
+    bad = []
+    for path in paths:
+        try:
+            Image.open(path).close()
+        except (UnidentifiedImageError, OSError) as e:
+            bad.append(f"{path} ({type(e).__name__})")
+    if bad:
+        raise ValueError(
+            f"image folder {root!r} has {len(bad)} unreadable image file(s): {', '.join(bad[:3])}"
+            f"{', ...' if len(bad) > 3 else ''}; remove or replace them, or point data.root at another folder"
+        )
 
 
 def _read_idx_gz(path) -> np.ndarray:
@@ -168,6 +192,7 @@ class DataConfig:
     num_workers: int = 0  # DataLoader worker processes; 0 reads in the training process
 
     def __post_init__(self):
+        check_fields(self, "data")
         if self.name not in DATASETS:
             raise ValueError(f"unknown dataset data.name={self.name!r}; valid names: {', '.join(DATASETS)}")
         if self.channels not in (1, 3):

@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass
 
 from flm import dist
+from flm.typed import check_fields
 
 
 @dataclass
@@ -22,6 +23,7 @@ class LoggerConfig:
     mode: str = "offline"  # online | offline | disabled
 
     def __post_init__(self):
+        check_fields(self, "logger")
         if self.mode not in ("online", "offline", "disabled"):
             raise ValueError(f"logger.mode must be online, offline or disabled, got {self.mode!r}")
 

@@ -87,7 +87,7 @@ def load(path: str) -> dict:
         bundle = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
         raise ValueError(
-            f"checkpoint {path!r} is truncated or unreadable ({type(e).__name__}: {str(e).splitlines()[0]}); "
+            f"checkpoint {path!r} is truncated or unreadable ({type(e).__name__}: {(str(e).splitlines() or ['empty file'])[0]}); "
             f"delete it to use the previous one, or pass another checkpoint"
         ) from None
     if not isinstance(bundle, dict) or bundle.get("format") != FORMAT or "model_args" not in bundle:

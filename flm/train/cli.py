@@ -22,6 +22,8 @@ def user_error(e: BaseException) -> BaseException | None:
     """The user-facing error behind `e` (Hydra's instantiate wraps the errors of config targets), else None."""
     if type(e).__name__ == "InstantiationException" and e.__cause__ is not None:
         e = e.__cause__
+    if type(e).__name__ == "MissingMandatoryValue":  # a `???` in the config: imagefolder's data.root, sample's ckpt
+        return ValueError(f"{e.full_key} is not set; pass {e.full_key}=<value> (see its config file's comment)")
     if isinstance(e, OSError) and e.errno in DISK_ERRNOS:  # a full disk, a read-only folder: not a bug
         return e
     if isinstance(e, USER_ERRORS) or (isinstance(e, ImportError) and "pip install" in str(e)):

@@ -49,6 +49,7 @@ from flm.train.graphs import GraphedStep
 from flm.train.optim import OptimConfig, build_optimizer, load_schedule, optimizer_step
 from flm.train.parallel import PARALLEL, clip_grad_norm_, grad_sync, local, wrap, wrap_copy
 from flm.train.sampling import class_labels, generate, save_grid
+from flm.typed import check_fields
 
 log = logging.getLogger("flm")
 
@@ -78,7 +79,7 @@ class TrainerConfig:
     sync_check_every: int = 1000  # compare a parameter checksum across ranks after step 1 and every N steps; 0: never
 
     def __post_init__(self):
-        self.ema_decays = [float(d) for d in self.ema_decays]
+        check_fields(self, "trainer")
         positive = ("max_steps", "batch_size", "grad_accum", "log_every", "sample_n", "sample_steps", "max_nonfinite")
         for name in positive:
             if getattr(self, name) <= 0:
@@ -205,6 +206,22 @@ def check_finite_weights(step: int, run_dir: str, lr: float, *modules: nn.Module
         )
 
 
+def load_objective(path: str, bundle: dict, objective, config: dict | None) -> None:
+    """The checkpoint's objective state into `objective`; another objective than the run's (flow
+    matching resumed as sCM, say) is refused in one line."""
+    saved = (bundle.get("config") or {}).get("objective", {}).get("name")
+    now = (config or {}).get("objective", {}).get("name")
+    try:
+        if saved is not None and now is not None and saved != now:
+            raise ValueError(f"objective {saved!r} vs {now!r}")
+        objective.load_state_dict(bundle["objective"])
+    except (ValueError, RuntimeError) as e:  # RuntimeError: state keys of another objective
+        raise ValueError(
+            f"checkpoint {path!r} was trained with another objective ({str(e).splitlines()[0]}); resume with "
+            f"objective={saved or 'the one it was trained with'}, or start a new run folder"
+        ) from None
+
+
 # ----------------------------------------------------------------------------------------------
 # Training
 # ----------------------------------------------------------------------------------------------
@@ -242,8 +259,7 @@ def train(*, run_dir: str, model_fn, objective, data: DataConfig, optim: OptimCo
     if bundle is not None:
         checkpoint.check_model_args(resume_from, bundle["model_args"], model_args)
         raw.load_state_dict(bundle["model"])
-        if bundle.get("objective"):
-            objective.load_state_dict(bundle["objective"])
+        load_objective(resume_from, bundle, objective, config)
     raw.to(device)
     if isinstance(objective, nn.Module):
         objective.to(device)
@@ -266,6 +282,9 @@ def train(*, run_dir: str, model_fn, objective, data: DataConfig, optim: OptimCo
         loader.load_state_dict(bundle["data"])
         set_rng_state(bundle["rng"], device)
         step = int(bundle["step"])
+        if step >= trainer.max_steps:
+            raise ValueError(f"checkpoint {resume_from!r} is at step {step}, and trainer.max_steps={trainer.max_steps}: "
+                             f"nothing to train; pass trainer.max_steps > {step} to continue the run")
         skipped_total, skipped_run = bundle["nonfinite"]["total"], bundle["nonfinite"]["in_a_row"]
         del bundle
 

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.tensor.experimental import implicit_replication
 
+from flm.typed import check_fields
+
 
 @dataclass
 class OptimConfig:
@@ -17,7 +19,7 @@ class OptimConfig:
     grad_clip: float = 1.0  # max global grad norm; 0 turns clipping off (the norm is still logged)
 
     def __post_init__(self):
-        self.betas = tuple(float(b) for b in self.betas)
+        check_fields(self, "optim")
         if not 0 < self.lr < math.inf:
             raise ValueError(f"optim.lr must be a finite number > 0, got {self.lr}; pass e.g. optim.lr=1e-4")
         if self.warmup_steps < 0:

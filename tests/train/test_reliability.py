@@ -164,3 +164,63 @@ def test_a_second_run_in_a_folder_in_use_is_refused(tmp_path, train_run):
     assert "is in use by another run" in msg and "choose another run_dir" in msg
     assert sorted(os.listdir(tmp_path)) == before and checkpoint.load(checkpoint.find_checkpoint(str(tmp_path)))["step"] == 1
     train_run(tmp_path, ["trainer.resume=auto", "trainer.max_steps=2"])  # free again
+
+
+def test_a_zero_byte_checkpoint(tmp_path, train_run):
+    train_run(tmp_path, ["trainer.max_steps=1"])
+    open(checkpoint.find_checkpoint(str(tmp_path)), "wb").close()
+    msg = error_of(train_run, tmp_path, ["trainer.resume=auto", "trainer.max_steps=2"])
+    assert "ckpt-00000001.pt' is truncated or unreadable" in msg
+
+
+def test_a_corrupt_image_is_refused_at_startup(tmp_path, train_run):
+    from PIL import Image
+
+    (tmp_path / "images" / "cat").mkdir(parents=True)
+    for i in range(8):
+        Image.new("RGB", (8, 8), (i * 30, 0, 0)).save(tmp_path / "images" / "cat" / f"{i}.png")
+    (tmp_path / "images" / "cat" / "bad.png").write_bytes(b"not an image")
+    msg = error_of(train_run, tmp_path / "run", ["data=imagefolder", f"data.root={tmp_path / 'images'}",
+                                                 "data.resolution=8", "data.num_workers=0"])
+    assert "1 unreadable image file(s)" in msg and "bad.png (UnidentifiedImageError)" in msg
+
+
+@pytest.mark.parametrize("first,then", [("flow_matching", "scm"), ("scm", "flow_matching")])
+def test_a_run_resumed_with_another_objective(tmp_path, train_run, first, then):
+    train_run(tmp_path, ["trainer.max_steps=1", f"objective={first}"])
+    msg = error_of(train_run, tmp_path, ["trainer.resume=auto", "trainer.max_steps=2", f"objective={then}"])
+    assert "was trained with another objective" in msg and f"objective={first}" in msg
+
+
+def test_resuming_past_max_steps_is_refused(tmp_path, train_run):
+    train_run(tmp_path, ["trainer.max_steps=3"])
+    msg = error_of(train_run, tmp_path, ["trainer.resume=auto", "trainer.max_steps=2"])
+    assert "is at step 3, and trainer.max_steps=2: nothing to train" in msg
+
+
+@pytest.mark.parametrize("override,expected", [
+    ("trainer.batch_size=abc", "trainer.batch_size must be an integer, e.g. 8; got 'abc'"),
+    ("trainer.batch_size=8.0", "trainer.batch_size must be an integer, e.g. 8; got 8.0"),
+    ("trainer.max_steps=2.5", "trainer.max_steps must be an integer, e.g. 8; got 2.5"),
+    ("trainer.ema_decays=0.5", "trainer.ema_decays must be a list, got 0.5; e.g. trainer.ema_decays=[0.5]"),
+    ("+trainer.max_step=5", "trainer.max_step is not an option of trainer"),
+    ("+objective.t_men=0", "objective.t_men is not an option of objective"),
+    ("optim.lr=abc", "optim.lr must be a number, e.g. 0.5; got 'abc'"),
+    ("data=imagefolder", "data.root is not set; pass data.root=<value>"),
+])
+def test_wrong_types_name_their_key(tmp_path, train_run, override, expected):
+    assert expected in error_of(train_run, tmp_path / "run", [override])
+
+
+@pytest.mark.parametrize("override,expected", [
+    ("n=abc", "n must be an integer, e.g. 8; got 'abc'"),
+    ("label=abc", "label must be an integer, e.g. 8; got 'abc'"),
+    ("cfg_scale=x", "cfg_scale must be a number"),
+])
+def test_sample_wrong_types_name_their_key(tmp_path, cfg_of, sample_entry, override, expected):
+    assert expected in error_of(sample_entry.run, cfg_of("sample", [f"ckpt={tmp_path}", override]))
+
+
+def test_sample_without_ckpt(tmp_path):
+    rc, _, err = run_script("sample")
+    assert rc == 1 and err.strip() == "error: ckpt is not set; pass ckpt=<value> (see its config file's comment)"
