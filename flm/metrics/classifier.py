@@ -54,23 +54,25 @@ def check_mnist_like(images: torch.Tensor) -> None:
 
 @torch.no_grad()
 def predict(images, *, classifier: DigitClassifier | None = None, batch_size: int = 1000, device=None) -> torch.Tensor:
-    """Predicted digits (N,) on the CPU for images in [-1, 1] (N, 1, 28, 28) or uint8 (N, 28, 28, 1)."""
+    """Predicted digits (N,), on the classifier's device, of images in [-1, 1] (N, 1, 28, 28) or uint8 (N, 28, 28, 1)."""
     x = as_float_images(images)
     check_mnist_like(x)
     if classifier is None:
         classifier = load_classifier(device or x.device)
     device = next(classifier.parameters()).device
-    out = [classifier(x[lo: lo + batch_size].to(device, torch.float32)).argmax(1) for lo in range(0, len(x), batch_size)]
-    return torch.cat(out).cpu()  # one copy to the host at the end, not one per batch
+    out = [classifier(x[lo: lo + batch_size].to(device, torch.float32, non_blocking=True)).argmax(1)
+           for lo in range(0, len(x), batch_size)]
+    return torch.cat(out)
 
 
 def label_accuracy(images, labels, *, classifier: DigitClassifier | None = None, batch_size: int = 1000,
                    device=None) -> float:
     """Fraction of images the classifier reads as their label (labels: (N,) ints)."""
-    labels = torch.as_tensor(labels).flatten().long().cpu()
+    labels = torch.as_tensor(labels).flatten().long()
     if len(labels) != len(images):
         raise ValueError(f"{len(images)} images but {len(labels)} labels")
-    return (predict(images, classifier=classifier, batch_size=batch_size, device=device) == labels).float().mean().item()
+    predicted = predict(images, classifier=classifier, batch_size=batch_size, device=device)
+    return (predicted == labels.to(predicted.device)).float().mean().item()  # the one host sync
 
 
 # ----------------------------------------------------------------------------------------------
