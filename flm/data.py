@@ -23,11 +23,16 @@ from flm.typed import check_fields
 
 DATASETS = ("mnist_shipped", "mnist", "fashion_mnist", "cifar10", "imagefolder")
 
-# torchvision's folder layout under `root`, and the files that must be there.
+SPLITS = ("train", "test")
+
+# torchvision's folder layout under `root`, and the files each split needs there.
 _TORCHVISION = {
-    "mnist": ("MNIST", "MNIST/raw", ("train-images-idx3-ubyte", "train-labels-idx1-ubyte")),
-    "fashion_mnist": ("FashionMNIST", "FashionMNIST/raw", ("train-images-idx3-ubyte", "train-labels-idx1-ubyte")),
-    "cifar10": ("CIFAR10", "cifar-10-batches-py", ("data_batch_1", "data_batch_5", "batches.meta")),
+    "mnist": ("MNIST", "MNIST/raw", {"train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
+                                     "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")}),
+    "fashion_mnist": ("FashionMNIST", "FashionMNIST/raw", {"train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
+                                                           "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")}),
+    "cifar10": ("CIFAR10", "cifar-10-batches-py", {"train": ("data_batch_1", "data_batch_5", "batches.meta"),
+                                                   "test": ("test_batch", "batches.meta")}),
 }
 _FETCH_HINT = {
     "mnist": "scripts/fetch-data.sh ROOT mnist (from the flm repository's shared scripts) writes them",
@@ -136,10 +141,11 @@ def shipped_mnist() -> ImageTensors:
     return ImageTensors(torch.from_numpy(images.copy())[:, None], torch.from_numpy(labels.copy()), 10)
 
 
-def _torchvision(name: str, root: str, download: bool) -> ImageTensors:
+def _torchvision(name: str, root: str, download: bool, split: str = "train") -> ImageTensors:
     import torchvision.datasets as tvd
 
     cls_name, subdir, needed = _TORCHVISION[name]
+    needed = needed[split]
     folder = os.path.join(root, subdir)
     have = all(os.path.isfile(os.path.join(folder, f)) for f in needed)
     if not have and not download:
@@ -148,7 +154,7 @@ def _torchvision(name: str, root: str, download: bool) -> ImageTensors:
             f"or set data.download=true on a machine with network"
         )
     try:
-        ds = getattr(tvd, cls_name)(root, train=True, download=not have)
+        ds = getattr(tvd, cls_name)(root, train=split == "train", download=not have)
     except Exception as e:  # no network, a blocked mirror, a bad archive: all end the same way
         raise FileNotFoundError(
             f"{name} not found in {folder!r} and the download failed ({type(e).__name__}: {e}); "
@@ -160,11 +166,14 @@ def _torchvision(name: str, root: str, download: bool) -> ImageTensors:
 
 
 def build_dataset(name: str, *, root: str = "data", download: bool = True, resolution: int | None = None,
-                  channels: int = 3):
+                  channels: int = 3, split: str = "train"):
     """One of DATASETS. `root` holds torchvision's layout (or the class folders for imagefolder);
-    `resolution` and `channels` apply to imagefolder only."""
+    `resolution` and `channels` apply to imagefolder only. `split`: train or test for the torchvision
+    datasets (mnist_shipped is MNIST's test split, imagefolder has one split: all its images)."""
     if name not in DATASETS:
         raise ValueError(f"unknown dataset {name!r}; valid names: {', '.join(DATASETS)}")
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; valid splits: {', '.join(SPLITS)}")
     if name == "mnist_shipped":
         return shipped_mnist()
     if not os.path.isdir(root):
@@ -176,7 +185,7 @@ def build_dataset(name: str, *, root: str = "data", download: bool = True, resol
         if resolution is None or resolution <= 0:
             raise ValueError(f"data.resolution must be a positive integer for imagefolder, got {resolution}")
         return ImageFiles(root, resolution, channels)
-    return _torchvision(name, root, download)
+    return _torchvision(name, root, download, split)
 
 
 @dataclass

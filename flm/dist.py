@@ -97,6 +97,15 @@ def all_mean(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def all_gather_cat(x: torch.Tensor) -> torch.Tensor:
+    """The ranks' `x` (the same shape on every rank) concatenated along dim 0 in rank order (x itself on one process)."""
+    if not is_initialized():
+        return x
+    parts = [torch.empty_like(x) for _ in range(world_size())]
+    dist.all_gather(parts, x.contiguous())
+    return torch.cat(parts)
+
+
 def broadcast_object(obj):
     """Rank 0's `obj` on every rank."""
     if is_initialized():

@@ -47,6 +47,10 @@ def test_missing_folder(tmp_path):
 def test_torchvision_files_missing_offline(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"mnist not found: expected train-images-idx3-ubyte.*fetch-data"):
         build_dataset("mnist", root=str(tmp_path), download=False)
+    with pytest.raises(FileNotFoundError, match=r"mnist not found: expected t10k-images-idx3-ubyte"):
+        build_dataset("mnist", root=str(tmp_path), download=False, split="test")
+    with pytest.raises(ValueError, match="unknown split 'val'; valid splits: train, test"):
+        build_dataset("mnist", root=str(tmp_path), split="val")
 
 
 def test_empty_image_folder(tmp_path):

@@ -45,6 +45,7 @@ from flm.files import lock_folder, unlock_folder
 from flm.log import LoggerConfig, RunLogger, progress_line
 from flm.train import checkpoint
 from flm.train.ema import EMA
+from flm.train.evaluation import InTraining
 from flm.train.graphs import GraphedStep
 from flm.train.optim import OptimConfig, build_optimizer, load_schedule, optimizer_step
 from flm.train.parallel import PARALLEL, clip_grad_norm_, grad_sync, local, wrap, wrap_copy
@@ -77,6 +78,11 @@ class TrainerConfig:
     resume: str | None = None  # null (new run) | auto (latest checkpoint in the run folder) | a path
     max_nonfinite: int = 10  # stop after this many skipped (non-finite) steps in a row
     sync_check_every: int = 1000  # compare a parameter checksum across ranks after step 1 and every N steps; 0: never
+    eval_every: int = 0  # FID (and label accuracy on MNIST-like data) of the EMA weights every N steps and at the end; 0: never
+    eval_n: int = 10000  # images per step count
+    eval_steps: list[int] | None = None  # sampler step counts to score; null: [sample_steps]
+    eval_inception: str | None = None  # the FID Inception TorchScript; null: $FLM_FID_INCEPTION
+    eval_cache: str | None = None  # reference statistics folder; null: $FLM_FID_CACHE, else ~/.cache/flm/fid
 
     def __post_init__(self):
         check_fields(self, "trainer")
@@ -87,6 +93,8 @@ class TrainerConfig:
         for name in ("sample_every", "ckpt_every", "keep_last", "sync_check_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"trainer.{name} must be >= 0 (0 = at the end only / keep all), got {getattr(self, name)}")
+        if self.eval_every < 0:
+            raise ValueError(f"trainer.eval_every must be >= 0 (0: no evaluation), got {self.eval_every}")
         if self.precision not in ("auto", "bf16", "fp32"):
             raise ValueError(f"trainer.precision must be auto, bf16 or fp32, got {self.precision!r}")
         if self.parallel not in PARALLEL:
@@ -296,9 +304,11 @@ def train(*, run_dir: str, model_fn, objective, data: DataConfig, optim: OptimCo
         f"batch {trainer.batch_size} = {world} ranks x {trainer.grad_accum} accum x {micro_batch}"
         + (f" | resumed from {resume_from} at step {step}" if resume_from else "")
     )
+    shape = (dataset.channels, dataset.resolution, dataset.resolution)
+    in_loop_eval = InTraining(trainer, data, shape=shape, num_classes=num_classes, device=device, amp_dtype=dtype,
+                              batch_size=micro_batch * trainer.grad_accum)
     run_log = RunLogger(run_dir, logger, run_config=config)
     labels = class_labels(trainer.sample_n, num_classes)
-    shape = (dataset.channels, dataset.resolution, dataset.resolution)
 
     def sample_grid(at_step: int) -> None:
         # every rank samples (under FSDP2 the EMA's forward all-gathers its shards); rank 0 writes
@@ -429,6 +439,7 @@ def train(*, run_dir: str, model_fn, objective, data: DataConfig, optim: OptimCo
 
             if step == trainer.max_steps or (trainer.sample_every and step % trainer.sample_every == 0):
                 sample_grid(step)
+            in_loop_eval(step, ema.default, objective, run_log)
             if saves:
                 save_checkpoint(step)
     finally:

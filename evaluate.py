@@ -1,0 +1,90 @@
+"""Sample quality of a checkpoint: FID of its objective's own sampler against the dataset's reference
+statistics, per step count, and the digit classifier's label accuracy on MNIST-like data (compose, build, run).
+
+    python evaluate.py ckpt=outputs/2025-01-01/12-00-00 n=10000 steps=1            # EMA weights
+    python evaluate.py ckpt=RUN steps=[1,2] cfg_scale=1.5 weights=raw data.root=data
+    FLM_FID_INCEPTION=data/fid/inception-2015-12-05-fid.torchscript.pt python evaluate.py ckpt=RUN
+    torchrun --standalone --nproc_per_node=8 evaluate.py ckpt=RUN n=50000           # ranks split the images
+
+The reference is the run's dataset (test split for MNIST and Fashion-MNIST, train for CIFAR-10), its
+statistics cached in fid_cache ($FLM_FID_CACHE, default ~/.cache/flm/fid) after the first use. Prints a
+table and writes a JSON (default <run folder>/eval/<checkpoint>-<weights>-cfg<s>-seed<seed>-n<n>.json).
+Bad input ends with one line `error: ...` and exit code 1.
+"""
+
+import dataclasses
+import json
+import os
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from flm import dist
+from flm.data import DataConfig
+from flm.train import checkpoint
+from flm.train.cli import report_user_errors
+from flm.train.evaluation import Evaluator, check_n, parse_steps
+from flm.train.generator import load_generator
+from flm.train.loop import amp_dtype
+
+
+def run_data(run_cfg: dict, root: str | None) -> DataConfig:
+    """The run's dataset from its stored config (plain values only), `root` overriding its folder."""
+    stored = run_cfg.get("data") or {}
+    known = {f.name for f in dataclasses.fields(DataConfig)}
+    data = DataConfig(**{k: v for k, v in stored.items() if k in known})
+    return dataclasses.replace(data, root=root) if root else data
+
+
+def table(results: dict, steps: list[int]) -> str:
+    acc = any(k.startswith("label_acc") for k in results)
+    lines = ["| steps | FID |" + (" label accuracy |" if acc else ""), "|---|---|" + ("---|" if acc else "")]
+    for k in steps:
+        row = f"| {k} | {results[f'fid_steps{k}']:.2f} |"
+        lines.append(row + (f" {100 * results[f'label_acc_steps{k}']:.2f} % |" if acc else ""))
+    return "\n".join(lines)
+
+
+def run(cfg: DictConfig) -> dict:
+    n = check_n(cfg.n)
+    path = checkpoint.find_checkpoint(str(cfg.ckpt))
+    bundle = checkpoint.load(path)
+    run_cfg = bundle["config"]
+    steps = parse_steps(cfg.steps if cfg.steps is not None else (run_cfg.get("trainer") or {}).get("sample_steps", 1))
+    device = dist.init(cfg.device)
+    model, objective = load_generator(bundle, weights=cfg.weights, ema_decay=cfg.ema_decay, device=device, source=path)
+    args = bundle["model_args"]
+    evaluator = Evaluator(data=run_data(run_cfg, cfg.data.root), shape=(args["in_channels"], args["input_size"], args["input_size"]),
+                          num_classes=args["num_classes"], n=n, steps=steps, cfg_scale=cfg.cfg_scale, seed=cfg.seed,
+                          batch_size=cfg.batch_size, device=device, amp_dtype=amp_dtype(cfg.precision, device),
+                          inception=cfg.inception, cache=cfg.fid_cache, split=cfg.data.split, ref=cfg.ref)
+    del bundle
+    results = evaluator(model, objective)
+    if not dist.is_main():
+        return results
+    report = {
+        "checkpoint": os.path.abspath(path), "weights": cfg.weights, "ema_decay": cfg.ema_decay, "n": n,
+        "cfg_scale": cfg.cfg_scale, "seed": cfg.seed, "reference": evaluator.reference.describe(),
+        "reference_n": evaluator.reference.n, "inception": evaluator.net.name, "results": results,
+        "options": OmegaConf.to_container(cfg, resolve=True),
+    }
+    run_dir = os.path.dirname(os.path.dirname(os.path.abspath(path)))
+    stem = os.path.splitext(os.path.basename(path))[0]
+    out = cfg.out or os.path.join(run_dir, "eval", f"{stem}-{cfg.weights}-cfg{cfg.cfg_scale:g}-seed{cfg.seed}-n{n}.json")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(f"{out}.tmp", "w") as f:
+        json.dump(report, f, indent=2)
+    os.replace(f"{out}.tmp", out)
+    print(f"{n} images per step count from {path} ({cfg.weights} weights, cfg {cfg.cfg_scale:g}) vs "
+          f"{report['reference']}, {evaluator.reference.n or '?'} images\n{table(results, steps)}\n-> {out}", flush=True)
+    return results
+
+
+@hydra.main(config_path="configs", config_name="evaluate", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    with report_user_errors():
+        run(cfg)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""The generator a checkpoint holds, rebuilt from names and numbers: its network (EMA or raw weights)
+and its objective (the sampler). Nothing in a checkpoint names a callable that gets called.
+
+    bundle = checkpoint.load(checkpoint.find_checkpoint("outputs/2025-01-01/12-00-00"))
+    model, objective = load_generator(bundle, weights="ema", device=device)
+"""
+
+import torch
+
+from flm.models import build_model
+from flm.objectives import build_objective
+from flm.train.ema import ema_key
+
+
+def _names_a_callable(value) -> bool:
+    if isinstance(value, dict):
+        return "_target_" in value or any(_names_a_callable(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_names_a_callable(v) for v in value)
+    return False
+
+
+def build_objective_from(bundle: dict, source: str = "the checkpoint"):
+    """The run's objective from the registry (flm.objectives.build_objective), with its saved state.
+
+    The stored config's `_target_` is dropped, not called; an option that is itself a config with a
+    `_target_` is refused.
+    """
+    options = dict((bundle.get("config") or {}).get("objective") or {})
+    options.pop("_target_", None)
+    name = options.pop("name", None)
+    if name is None:
+        raise ValueError(f"{source} has no objective in its config, so no sampler to draw samples with; "
+                         f"pass a checkpoint written by train.py")
+    bad = [k for k, v in options.items() if _names_a_callable(v)]
+    if bad:
+        raise ValueError(f"{source}'s objective options {', '.join(bad)} name a callable (_target_); a checkpoint "
+                         f"holds names and numbers only: pass a checkpoint written by train.py")
+    try:
+        objective = build_objective(name, **options)
+    except TypeError as e:
+        raise ValueError(f"{source}'s objective {name!r} has options this flm does not know ({e})") from None
+    if bundle.get("objective"):
+        objective.load_state_dict(bundle["objective"])
+    return objective
+
+
+def generator_state(bundle: dict, weights: str = "ema", ema_decay: float | None = None) -> dict:
+    """The network weights to sample with: raw, or the EMA of `ema_decay` (default: the run's first)."""
+    if weights not in ("ema", "raw"):
+        raise ValueError(f"weights must be ema or raw, got {weights!r}")
+    if weights == "raw":
+        return bundle["model"]
+    key = ema_key(ema_decay) if ema_decay is not None else next(iter(bundle["ema"]))
+    if key not in bundle["ema"]:
+        raise ValueError(f"ema_decay={ema_decay} not in the checkpoint; it has {', '.join(bundle['ema'])}")
+    return bundle["ema"][key]
+
+
+def load_generator(bundle: dict, *, weights: str = "ema", ema_decay: float | None = None, device="cpu",
+                   source: str = "the checkpoint") -> tuple[torch.nn.Module, torch.nn.Module]:
+    """(model, objective) on `device`, the model in eval mode; any attention backend (no JVP when sampling)."""
+    objective = build_objective_from(bundle, source).to(device)
+    model = build_model(**{**bundle["model_args"], "attention": "auto"})
+    model.load_state_dict(generator_state(bundle, weights, ema_decay))
+    return model.to(device).eval(), objective

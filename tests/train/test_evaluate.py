@@ -1,0 +1,103 @@
+"""evaluate.py and flm.train.evaluation on a tiny run, with a small stand-in for the Inception network."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from flm.data import DataConfig, shipped_mnist
+from flm.metrics.fid import FeatureNet, Stats
+from flm.train import checkpoint
+from flm.train.evaluation import Evaluator, check_n, parse_steps
+from flm.train.generator import build_objective_from, load_generator
+
+from ..metrics.standin import StandIn, save_standin
+from .conftest import load_entry, run_script
+from .test_entrypoints import error_of
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A 4-step MeanFlow run on the shipped digits, and the stand-in network and digit statistics beside it."""
+    from hydra import compose, initialize_config_dir
+
+    from .conftest import ROOT, TINY
+
+    root = tmp_path_factory.mktemp("eval")
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=TINY)
+    load_entry("train").run(cfg, str(root / "run"))
+    np.savez(root / "ref_batch.npz", arr_0=shipped_mnist().images[:200].permute(0, 2, 3, 1).numpy())  # ADM's layout
+    return {"dir": root / "run", "inception": save_standin(root / "standin.pt"), "ref": str(root / "ref_batch.npz")}
+
+
+@pytest.fixture
+def evaluate_run(cfg_of):
+    entry = load_entry("evaluate")
+    return lambda overrides: entry.run(cfg_of("evaluate", overrides))
+
+
+def test_evaluate_from_the_command_line(run, tmp_path):
+    out = tmp_path / "fid.json"
+    rc, stdout, err = run_script("evaluate", f"ckpt={run['dir']}", "n=12", "steps=[1,2]", "batch_size=5",
+                                 f"inception={run['inception']}", f"ref={run['ref']}", f"out={out}", "device=cpu")
+    assert rc == 0, err
+    report = json.loads(out.read_text())
+    assert set(report["results"]) == {"fid_steps1", "fid_steps2", "label_acc_steps1", "label_acc_steps2"}
+    assert all(np.isfinite(v) for v in report["results"].values()) and report["n"] == 12
+    assert "| steps | FID | label accuracy |" in stdout and "| 2 |" in stdout
+
+
+def test_scores_do_not_depend_on_the_batch_size(run):
+    bundle = checkpoint.load(checkpoint.find_checkpoint(str(run["dir"])))
+    model, objective = load_generator(bundle)
+    net = FeatureNet(net=StandIn().eval(), name="standin", size=32)
+    scores = [Evaluator(data=DataConfig(), shape=(1, 28, 28), num_classes=10, n=10, steps=[1], batch_size=b,
+                        features=net, ref=run["ref"])(model, objective) for b in (3, 10)]
+    assert scores[0]["fid_steps1"] == pytest.approx(scores[1]["fid_steps1"], rel=1e-5)
+    assert scores[0]["label_acc_steps1"] == scores[1]["label_acc_steps1"]
+
+
+def test_objective_is_rebuilt_from_names_only(run):
+    bundle = checkpoint.load(checkpoint.find_checkpoint(str(run["dir"])))
+    assert type(build_objective_from(bundle)).__name__ == "MeanFlow"
+    bundle["config"]["objective"]["_target_"] = "os.system"  # dropped, never called
+    assert type(build_objective_from(bundle)).__name__ == "MeanFlow"
+    bundle["config"]["objective"]["path"] = {"_target_": "os.system", "command": "true"}
+    with pytest.raises(ValueError, match="objective options path name a callable"):
+        build_objective_from(bundle)
+
+
+@pytest.mark.parametrize("value", ["abc", 1, 0, -5, 2.5])
+def test_bad_n(value):
+    with pytest.raises(ValueError, match="n must be an integer >= 2"):
+        check_n(value)
+
+
+def test_steps_lists():
+    assert parse_steps(2) == [2] and parse_steps([1, 2]) == [1, 2] and parse_steps("4") == [4]
+    for bad in (0, "x", [], [1, -1], 1.5):
+        with pytest.raises(ValueError, match="steps must be a positive integer"):
+            parse_steps(bad)
+
+
+def test_bad_inputs_are_one_line_errors(run, evaluate_run, tmp_path):
+    base = [f"ckpt={run['dir']}", "n=4", "device=cpu", f"inception={run['inception']}", f"ref={run['ref']}"]
+    assert "n must be an integer >= 2" in error_of(evaluate_run, base + ["n=abc"])
+    assert "n must be an integer >= 2" in error_of(evaluate_run, base + ["n=1"])
+    missing = error_of(evaluate_run, base + [f"inception={tmp_path / 'none.pt'}"])
+    assert "not found" in missing and "fetch-data.sh DIR fid" in missing
+    other = tmp_path / "cifar_stats.npz"
+    Stats(np.zeros(32), np.eye(32), dataset="cifar10", split="train", resolution=32, network="x").save(str(other))
+    assert "needs mnist test 28x28" in error_of(evaluate_run, base + [f"ref={other}"])
+    bundle = checkpoint.load(checkpoint.find_checkpoint(str(run["dir"])))
+    del bundle["config"]["objective"]
+    no_sampler = tmp_path / "ckpt-00000004.pt"
+    torch.save(bundle, no_sampler)
+    assert "no sampler" in error_of(evaluate_run, base + [f"ckpt={no_sampler}"])
+
+
+def test_bad_input_exits_with_one_error_line(run, tmp_path):
+    rc, _, err = run_script("evaluate", f"ckpt={run['dir']}", "n=abc", f"inception={run['inception']}")
+    assert rc == 1 and err.strip().splitlines() == ["error: n must be an integer >= 2 (FID fits a covariance; 10000 is usual), got 'abc'"]
