@@ -17,11 +17,9 @@ import hydra
 from omegaconf import DictConfig
 
 from flm import dist
-from flm.models import build_model
 from flm.train import checkpoint
 from flm.train.cli import report_user_errors
-from flm.train.config import objective_from_config, plain
-from flm.train.ema import ema_key
+from flm.train.generator import load_generator
 from flm.train.loop import amp_dtype
 from flm.train.sampling import class_labels, generate, save_grid, save_npz
 from flm.typed import check_fields, typed
@@ -58,23 +56,8 @@ def run(cfg: DictConfig) -> str:
     path = checkpoint.find_checkpoint(cfg.ckpt)
     bundle = checkpoint.load(path)
     run_cfg = bundle["config"]
-    if cfg.weights == "raw":
-        state = bundle["model"]
-    else:
-        key = ema_key(cfg.ema_decay) if cfg.ema_decay is not None else next(iter(bundle["ema"]))
-        if key not in bundle["ema"]:
-            raise ValueError(f"ema_decay={cfg.ema_decay} not in the checkpoint; it has {', '.join(bundle['ema'])}")
-        state = bundle["ema"][key]
-
     device = dist.init(cfg.device)
-    # names and numbers only: nothing from the file is called (flm.train.config)
-    model = build_model(**{**plain(bundle["model_args"], f"{path}: model_args"), "attention": "auto"})  # no JVP here: any backend
-    model.load_state_dict(state)
-    model.to(device)
-    objective = objective_from_config(run_cfg.get("objective"), where=path)
-    objective.load_state_dict(bundle["objective"])
-    if hasattr(objective, "to"):
-        objective.to(device)
+    model, objective = load_generator(bundle, weights=cfg.weights, ema_decay=cfg.ema_decay, device=device, source=path)
 
     steps = cfg.steps if cfg.steps is not None else typed(run_cfg["trainer"]["sample_steps"], int, f"{path}: trainer.sample_steps")
     seeds = list(range(cfg.seed, cfg.seed + cfg.n))

@@ -46,7 +46,8 @@ def plain(value, key: str):
 def objective_from_config(section, where: str):
     """The objective a stored config names (`name` and plain keyword values), built from the registry."""
     if not isinstance(section, Mapping) or "name" not in section:
-        raise ValueError(f"{where}: the stored config has no objective name; pass a checkpoint written by train.py")
+        raise ValueError(f"{where}: the stored config has no objective name, so no sampler to draw samples with; "
+                         f"pass a checkpoint written by train.py")
     section = dict(section)
     target = section.pop("_target_", OBJECTIVE_TARGET)
     if target != OBJECTIVE_TARGET:

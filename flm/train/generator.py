@@ -8,38 +8,13 @@ and its objective (the sampler). Nothing in a checkpoint names a callable that g
 import torch
 
 from flm.models import build_model
-from flm.objectives import build_objective
+from flm.train.config import objective_from_config, plain
 from flm.train.ema import ema_key
 
 
-def _names_a_callable(value) -> bool:
-    if isinstance(value, dict):
-        return "_target_" in value or any(_names_a_callable(v) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return any(_names_a_callable(v) for v in value)
-    return False
-
-
 def build_objective_from(bundle: dict, source: str = "the checkpoint"):
-    """The run's objective from the registry (flm.objectives.build_objective), with its saved state.
-
-    The stored config's `_target_` is dropped, not called; an option that is itself a config with a
-    `_target_` is refused.
-    """
-    options = dict((bundle.get("config") or {}).get("objective") or {})
-    options.pop("_target_", None)
-    name = options.pop("name", None)
-    if name is None:
-        raise ValueError(f"{source} has no objective in its config, so no sampler to draw samples with; "
-                         f"pass a checkpoint written by train.py")
-    bad = [k for k, v in options.items() if _names_a_callable(v)]
-    if bad:
-        raise ValueError(f"{source}'s objective options {', '.join(bad)} name a callable (_target_); a checkpoint "
-                         f"holds names and numbers only: pass a checkpoint written by train.py")
-    try:
-        objective = build_objective(name, **options)
-    except TypeError as e:
-        raise ValueError(f"{source}'s objective {name!r} has options this flm does not know ({e})") from None
+    """The run's objective from the registry (flm.train.config: names and plain values only), with its saved state."""
+    objective = objective_from_config((bundle.get("config") or {}).get("objective"), where=source)
     if bundle.get("objective"):
         objective.load_state_dict(bundle["objective"])
     return objective
@@ -61,6 +36,6 @@ def load_generator(bundle: dict, *, weights: str = "ema", ema_decay: float | Non
                    source: str = "the checkpoint") -> tuple[torch.nn.Module, torch.nn.Module]:
     """(model, objective) on `device`, the model in eval mode; any attention backend (no JVP when sampling)."""
     objective = build_objective_from(bundle, source).to(device)
-    model = build_model(**{**bundle["model_args"], "attention": "auto"})
+    model = build_model(**{**plain(bundle["model_args"], f"{source}: model_args"), "attention": "auto"})
     model.load_state_dict(generator_state(bundle, weights, ema_decay))
     return model.to(device).eval(), objective
