@@ -240,6 +240,7 @@ def train(*, run_dir: str, model_fn, objective, data: DataConfig, optim: OptimCo
     run_dir = dist.broadcast_object(run_dir)  # ranks may have resolved ${now:...} a second apart
     if dist.is_main():
         lock_folder(run_dir)  # one run per folder: a second process is refused before it writes anything
+        checkpoint.remove_temporary(run_dir)  # of a killed run
     micro_batch = local_batch_size(trainer.batch_size, trainer.grad_accum, world)
     dtype = amp_dtype(trainer.precision, device)
     check_attention(attention, device, dtype)
@@ -275,6 +276,7 @@ def train(*, run_dir: str, model_fn, objective, data: DataConfig, optim: OptimCo
     loader = Loader(dataset, batch_size=micro_batch, rank=rank, world_size=world, seed=trainer.seed,
                     grad_accum=trainer.grad_accum, hflip=data.hflip, num_workers=data.num_workers)
     step, skipped_total, skipped_run = 0, 0, 0
+    loss_sum, loss_steps = 0.0, 0  # the logged loss's window, carried over a resume
     if bundle is not None:
         ema.load_state_dict(bundle["ema"])
         checkpoint.load_optimizer_state(trained, opt, bundle["optimizer"])
@@ -286,6 +288,8 @@ def train(*, run_dir: str, model_fn, objective, data: DataConfig, optim: OptimCo
             raise ValueError(f"checkpoint {resume_from!r} is at step {step}, and trainer.max_steps={trainer.max_steps}: "
                              f"nothing to train; pass trainer.max_steps > {step} to continue the run")
         skipped_total, skipped_run = bundle["nonfinite"]["total"], bundle["nonfinite"]["in_a_row"]
+        window = bundle.get("log_window", {"loss_sum": 0.0, "steps": 0})
+        loss_sum, loss_steps = float(window["loss_sum"]), int(window["steps"])
         del bundle
 
     n_params = sum(p.numel() for p in raw.parameters())
@@ -296,7 +300,7 @@ def train(*, run_dir: str, model_fn, objective, data: DataConfig, optim: OptimCo
         f"batch {trainer.batch_size} = {world} ranks x {trainer.grad_accum} accum x {micro_batch}"
         + (f" | resumed from {resume_from} at step {step}" if resume_from else "")
     )
-    run_log = RunLogger(run_dir, logger, run_config=config)
+    run_log = RunLogger(run_dir, logger, run_config=config, resumed_at=step if resume_from else None)
     labels = class_labels(trainer.sample_n, num_classes)
     shape = (dataset.channels, dataset.resolution, dataset.resolution)
 
@@ -319,6 +323,7 @@ def train(*, run_dir: str, model_fn, objective, data: DataConfig, optim: OptimCo
             state |= {
                 "step": at_step, "scheduler": sched.state_dict(), "objective": objective.state_dict(),
                 "rng": rng_state(device), "data": loader.state_dict(), "nonfinite": {"total": skipped_total, "in_a_row": skipped_run},
+                "log_window": {"loss_sum": loss_sum, "steps": loss_steps},
                 "model_args": model_args, "config": config or {},
             }
             checkpoint.save(state, checkpoint.checkpoint_path(run_dir, at_step), keep_last=trainer.keep_last)
@@ -334,7 +339,7 @@ def train(*, run_dir: str, model_fn, objective, data: DataConfig, optim: OptimCo
     graphed = GraphedStep(lambda x, at_step, y=None: loss_and_backward(x, y, at_step), params) if trainer.cuda_graph else None
 
     metrics: dict = {}
-    window_t, window_steps, loss_sum = time.perf_counter(), 0, 0.0
+    window_t, window_steps = time.perf_counter(), 0
     t_start, step_start = time.perf_counter(), step
     pending = None  # (step, host copy of [loss, finite, grad norm], event): a step's outcome, read one step late
 
@@ -398,7 +403,7 @@ def train(*, run_dir: str, model_fn, objective, data: DataConfig, optim: OptimCo
             step += 1
             if trainer.sync_check_every and (step == step_start + 1 or step % trainer.sync_check_every == 0):
                 dist.check_in_sync(step, raw, objective)
-            window_steps += 1
+            window_steps, loss_steps = window_steps + 1, loss_steps + 1
             if logs or saves:
                 settle()
                 check_finite_weights(step, run_dir, sched.get_last_lr()[0], trained, *ema.models.values())
@@ -411,7 +416,7 @@ def train(*, run_dir: str, model_fn, objective, data: DataConfig, optim: OptimCo
                 metrics = {
                     # the objective's, of the last step: the mean over its micro-batches and ranks, as one rank logs it
                     **{k: dist.all_mean(v).item() for k, v in extra_step.items()},
-                    "loss": dist.all_mean(torch.tensor(loss_sum / window_steps, device=device)).item(),
+                    "loss": dist.all_mean(torch.tensor(loss_sum / loss_steps, device=device)).item(),
                     "grad_norm": grad_norm.item(),
                     "lr": sched.get_last_lr()[0],
                     "images_per_s": trainer.batch_size * window_steps / seconds,
@@ -425,7 +430,7 @@ def train(*, run_dir: str, model_fn, objective, data: DataConfig, optim: OptimCo
                 eta = elapsed / (step - step_start) * (trainer.max_steps - step)
                 dist.info0(progress_line(step, trainer.max_steps, metrics, elapsed, eta))
                 run_log.log(step, metrics)
-                window_t, window_steps, loss_sum = time.perf_counter(), 0, 0.0
+                window_t, window_steps, loss_sum, loss_steps = time.perf_counter(), 0, 0.0, 0
 
             if step == trainer.max_steps or (trainer.sample_every and step % trainer.sample_every == 0):
                 sample_grid(step)

@@ -224,3 +224,32 @@ def test_sample_wrong_types_name_their_key(tmp_path, cfg_of, sample_entry, overr
 def test_sample_without_ckpt(tmp_path):
     rc, _, err = run_script("sample")
     assert rc == 1 and err.strip() == "error: ckpt is not set; pass ckpt=<value> (see its config file's comment)"
+
+
+def test_a_resume_after_a_kill_logs_each_step_once_with_the_full_window(tmp_path, train_run):
+    run = ["trainer.ckpt_every=3", "trainer.log_every=2", "optim.warmup_steps=0"]
+    train_run(tmp_path / "whole", run + ["trainer.max_steps=6"])
+    killed = tmp_path / "killed"
+    train_run(killed, run + ["trainer.max_steps=4", "trainer.keep_last=0"])
+    os.remove(checkpoint.checkpoint_path(str(killed), 4))  # killed after logging step 4, before saving it
+    (killed / "checkpoints" / "ckpt-00000005.pt.tmp").write_bytes(b"half a checkpoint")
+    train_run(killed, run + ["trainer.max_steps=6", "trainer.resume=auto"])
+    whole, resumed = metrics_of(tmp_path / "whole"), metrics_of(killed)
+    assert [r["step"] for r in resumed] == [2, 4, 6] and leftovers(killed) == []
+    assert [r["loss"] for r in resumed] == pytest.approx([r["loss"] for r in whole], rel=1e-6)
+
+
+def test_flipped_bytes_in_a_checkpoint_are_caught(tmp_path, train_run):
+    import struct
+    import zipfile
+
+    train_run(tmp_path, ["trainer.max_steps=1"])
+    path = checkpoint.find_checkpoint(str(tmp_path))
+    largest = max(zipfile.ZipFile(path).infolist(), key=lambda zi: zi.file_size)
+    data = bytearray(open(path, "rb").read())
+    name_len, extra_len = struct.unpack("<HH", data[largest.header_offset + 26: largest.header_offset + 30])
+    at = largest.header_offset + 30 + name_len + extra_len + largest.file_size // 2
+    data[at] ^= 0xFF
+    open(path, "wb").write(bytes(data))
+    msg = error_of(train_run, tmp_path, ["trainer.resume=auto", "trainer.max_steps=2"])
+    assert "is damaged (checksum mismatch in" in msg
