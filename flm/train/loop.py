@@ -77,10 +77,12 @@ class TrainerConfig:
     resume: str | None = None  # null (new run) | auto (latest checkpoint in the run folder) | a path
     max_nonfinite: int = 10  # stop after this many skipped (non-finite) steps in a row
     sync_check_every: int = 1000  # compare a parameter checksum across ranks after step 1 and every N steps; 0: never
+    collective_timeout_s: float = 600.0  # a rank that waits this long for a stalled one ends the run with an error
 
     def __post_init__(self):
         check_fields(self, "trainer")
-        positive = ("max_steps", "batch_size", "grad_accum", "log_every", "sample_n", "sample_steps", "max_nonfinite")
+        positive = ("max_steps", "batch_size", "grad_accum", "log_every", "sample_n", "sample_steps", "max_nonfinite",
+                "collective_timeout_s")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"trainer.{name} must be > 0, got {getattr(self, name)}")
@@ -235,7 +237,7 @@ def train(*, run_dir: str, model_fn, objective, data: DataConfig, optim: OptimCo
     (flm.models.build_model with its name bound); objective is a built flm.objectives objective;
     config is the resolved run config stored in every checkpoint (sample.py rebuilds from it).
     """
-    device = dist.init(trainer.device)
+    device = dist.init(trainer.device, timeout_s=trainer.collective_timeout_s)
     rank, world = dist.rank(), dist.world_size()
     run_dir = dist.broadcast_object(run_dir)  # ranks may have resolved ${now:...} a second apart
     if dist.is_main():

@@ -253,3 +253,33 @@ def test_flipped_bytes_in_a_checkpoint_are_caught(tmp_path, train_run):
     open(path, "wb").write(bytes(data))
     msg = error_of(train_run, tmp_path, ["trainer.resume=auto", "trainer.max_steps=2"])
     assert "is damaged (checksum mismatch in" in msg
+
+
+STALL = """
+import sys, time, torch
+from flm import dist
+dist.init("cpu", timeout_s=float(sys.argv[1]))
+if dist.rank() == 1:
+    time.sleep(30)  # stalled
+t = time.time()
+try:
+    dist.all_min(torch.ones(()))
+except Exception as e:
+    print(f"rank 0 stopped after {time.time() - t:.0f} s: {type(e).__name__}", flush=True)
+    sys.exit(1)
+"""
+
+
+def test_a_stalled_rank_ends_the_run_after_the_collective_timeout(tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "stall.py"
+    script.write_text(STALL)
+    t = time.time()
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(script), "3"], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(script.parents[0]) + os.pathsep + os.getcwd()})
+    assert proc.returncode != 0 and "rank 0 stopped after" in proc.stdout, proc.stdout + proc.stderr
+    assert time.time() - t < 60
