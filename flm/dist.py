@@ -4,6 +4,7 @@ Under `torchrun` they talk to the process group; in a plain `python` process the
 of a world of one, so the training loop never branches on "distributed or not".
 """
 
+import datetime
 import logging
 import os
 
@@ -34,11 +35,13 @@ def is_main() -> bool:
     return rank() == 0
 
 
-def init(device: str = "auto") -> torch.device:
+def init(device: str = "auto", timeout_s: float = 600.0) -> torch.device:
     """Join the process group when launched by torchrun or by submitit (hydra/launcher=slurm) with
     more than one process, and pick this rank's device.
 
     device: "auto" (CUDA when available, else CPU), "cpu" or "cuda". NCCL on CUDA, gloo on the CPU.
+    timeout_s: how long a collective waits for a stalled rank before the run ends with an error
+    (instead of every other rank waiting silently).
     """
     if device not in ("auto", "cpu", "cuda"):
         raise ValueError(f"trainer.device must be auto, cpu or cuda, got {device!r}")
@@ -54,7 +57,8 @@ def init(device: str = "auto") -> torch.device:
     if use_cuda:
         torch.cuda.set_device(dev)
     if int(os.environ.get("WORLD_SIZE", 1)) > 1 and not is_initialized():
-        dist.init_process_group(backend="nccl" if use_cuda else "gloo", device_id=dev if use_cuda else None)
+        dist.init_process_group(backend="nccl" if use_cuda else "gloo", device_id=dev if use_cuda else None,
+                                timeout=datetime.timedelta(seconds=timeout_s))
     return dev
 
 

@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass
 
 from flm import dist
+from flm.files import write_atomically
 from flm.typed import check_fields
 
 
@@ -53,10 +54,33 @@ def progress_line(step: int, max_steps: int, metrics: dict, elapsed: float, eta:
     return " | ".join(parts)
 
 
+def drop_after(path: str, step: int) -> None:
+    """Remove the lines of steps after `step` from a metrics.jsonl: a resumed run logs them again."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        lines = f.readlines()
+    keep = [line for line in lines if _step_of(line) <= step]
+    if len(keep) < len(lines):
+        def write(tmp):
+            with open(tmp, "w") as f:
+                f.writelines(keep)
+
+        write_atomically(path, write)
+
+
+def _step_of(line: str) -> float:
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return math.inf  # a line cut off by a kill: dropped with the steps after the checkpoint
+
+
 class RunLogger:
     """Console progress, run_dir/metrics.jsonl (one JSON object per logged step) and optional wandb."""
 
-    def __init__(self, run_dir: str, config: LoggerConfig, *, run_config: dict | None = None):
+    def __init__(self, run_dir: str, config: LoggerConfig, *, run_config: dict | None = None,
+                 resumed_at: int | None = None):
         self.active = dist.is_main()
         self.wandb = None
         if not self.active:
@@ -67,7 +91,10 @@ class RunLogger:
             except ImportError:
                 raise ImportError("logger=wandb needs the wandb package: pip install wandb (or use logger=none)") from None
         os.makedirs(run_dir, exist_ok=True)
-        self.file = open(os.path.join(run_dir, "metrics.jsonl"), "a")
+        path = os.path.join(run_dir, "metrics.jsonl")
+        if resumed_at is not None:
+            drop_after(path, resumed_at)
+        self.file = open(path, "a")
         if config.wandb:
             self.wandb = wandb.init(project=config.project, name=config.name, mode=config.mode,
                                     dir=run_dir, config=run_config, resume="allow")

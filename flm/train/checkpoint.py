@@ -13,6 +13,7 @@ optimizer's order).
 import glob
 import os
 import re
+import zipfile
 
 import torch
 from torch.distributed.checkpoint.state_dict import (
@@ -59,6 +60,12 @@ def find_checkpoint(path: str) -> str:
     return found[-1]
 
 
+def remove_temporary(run_dir: str) -> None:
+    """Delete what interrupted writes left in the run's checkpoint folder (call under the run's lock)."""
+    for tmp in glob.glob(os.path.join(checkpoint_dir(run_dir), "*.tmp")):
+        os.remove(tmp)
+
+
 def save(bundle: dict, path: str, *, keep_last: int = 0) -> None:
     """Write `bundle` to `path` through a temporary file and a rename, then delete all but the
     `keep_last` newest checkpoints of the folder (keep_last <= 0 keeps all). A full disk ends in one
@@ -92,6 +99,10 @@ def load(path: str) -> dict:
         ) from None
     if not isinstance(bundle, dict) or bundle.get("format") != FORMAT or "model_args" not in bundle:
         raise ValueError(f"{path!r} is not an flm checkpoint (format {FORMAT}); pass a file written by train.py")
+    damaged = zipfile.ZipFile(path).testzip()  # torch.save's zip records carry CRC-32s; torch.load does not check them
+    if damaged is not None:
+        raise ValueError(f"checkpoint {path!r} is damaged (checksum mismatch in {damaged}); delete it to use the "
+                         f"previous one, or pass another checkpoint")
     return bundle
 
 

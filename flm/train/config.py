@@ -6,8 +6,9 @@ found in a stored config (a checkpoint's, a shared YAML file's).
 
 A checkpoint's config is rebuilt through flm.objectives.build_objective (its `_target_`, if any, must
 be that one, and every other value a number, string, bool, null or a list of them). A composed
-config's groups are instantiated only when each `_target_` is a group's own and names flm code: a
-nested `_target_` anywhere below (e.g. a value that would call another function) is refused.
+config's groups keep their own `_target_` (configs/ and the command line are the user's code: a
+custom objective fits there), but the values below it must be data: a nested `_target_` anywhere
+(a value that would call another function) is refused.
 """
 
 import contextlib
@@ -59,11 +60,7 @@ def objective_from_config(section, where: str):
 
 
 def check_targets(section, key: str) -> None:
-    """Refuse a group whose `_target_` is not flm code, or any `_target_` (or other Hydra call key) below it."""
-    target = section.get("_target_") if isinstance(section, Mapping) else None
-    if target is not None and not (isinstance(target, str) and target.startswith("flm.")):
-        raise ValueError(f"{key}._target_={target!r} is not allowed: config groups build flm's own objects; "
-                         f"pick an option of the {key} group")
+    """Refuse any `_target_` (or other Hydra call key) below a group's own."""
     for k, v in section.items() if isinstance(section, Mapping) else ():
         if k not in _HYDRA_KEYS:
             plain(v, f"{key}.{k}")

@@ -83,10 +83,12 @@ class TrainerConfig:
     eval_steps: list[int] | None = None  # sampler step counts to score; null: [sample_steps]
     eval_inception: str | None = None  # the FID Inception TorchScript; null: $FLM_FID_INCEPTION
     eval_cache: str | None = None  # reference statistics folder; null: $FLM_FID_CACHE, else ~/.cache/flm/fid
+    collective_timeout_s: float = 600.0  # a rank that waits this long for a stalled one ends the run with an error
 
     def __post_init__(self):
         check_fields(self, "trainer")
-        positive = ("max_steps", "batch_size", "grad_accum", "log_every", "sample_n", "sample_steps", "max_nonfinite")
+        positive = ("max_steps", "batch_size", "grad_accum", "log_every", "sample_n", "sample_steps", "max_nonfinite",
+                "collective_timeout_s")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"trainer.{name} must be > 0, got {getattr(self, name)}")
@@ -243,11 +245,12 @@ def train(*, run_dir: str, model_fn, objective, data: DataConfig, optim: OptimCo
     (flm.models.build_model with its name bound); objective is a built flm.objectives objective;
     config is the resolved run config stored in every checkpoint (sample.py rebuilds from it).
     """
-    device = dist.init(trainer.device)
+    device = dist.init(trainer.device, timeout_s=trainer.collective_timeout_s)
     rank, world = dist.rank(), dist.world_size()
     run_dir = dist.broadcast_object(run_dir)  # ranks may have resolved ${now:...} a second apart
     if dist.is_main():
         lock_folder(run_dir)  # one run per folder: a second process is refused before it writes anything
+        checkpoint.remove_temporary(run_dir)  # of a killed run
     micro_batch = local_batch_size(trainer.batch_size, trainer.grad_accum, world)
     dtype = amp_dtype(trainer.precision, device)
     check_attention(attention, device, dtype)
@@ -283,6 +286,7 @@ def train(*, run_dir: str, model_fn, objective, data: DataConfig, optim: OptimCo
     loader = Loader(dataset, batch_size=micro_batch, rank=rank, world_size=world, seed=trainer.seed,
                     grad_accum=trainer.grad_accum, hflip=data.hflip, num_workers=data.num_workers)
     step, skipped_total, skipped_run = 0, 0, 0
+    loss_sum, loss_steps = 0.0, 0  # the logged loss's window, carried over a resume
     if bundle is not None:
         ema.load_state_dict(bundle["ema"])
         checkpoint.load_optimizer_state(trained, opt, bundle["optimizer"])
@@ -294,6 +298,8 @@ def train(*, run_dir: str, model_fn, objective, data: DataConfig, optim: OptimCo
             raise ValueError(f"checkpoint {resume_from!r} is at step {step}, and trainer.max_steps={trainer.max_steps}: "
                              f"nothing to train; pass trainer.max_steps > {step} to continue the run")
         skipped_total, skipped_run = bundle["nonfinite"]["total"], bundle["nonfinite"]["in_a_row"]
+        window = bundle.get("log_window", {"loss_sum": 0.0, "steps": 0})
+        loss_sum, loss_steps = float(window["loss_sum"]), int(window["steps"])
         del bundle
 
     n_params = sum(p.numel() for p in raw.parameters())
@@ -307,7 +313,7 @@ def train(*, run_dir: str, model_fn, objective, data: DataConfig, optim: OptimCo
     shape = (dataset.channels, dataset.resolution, dataset.resolution)
     in_loop_eval = InTraining(trainer, data, shape=shape, num_classes=num_classes, device=device, amp_dtype=dtype,
                               batch_size=micro_batch * trainer.grad_accum)
-    run_log = RunLogger(run_dir, logger, run_config=config)
+    run_log = RunLogger(run_dir, logger, run_config=config, resumed_at=step if resume_from else None)
     labels = class_labels(trainer.sample_n, num_classes)
 
     def sample_grid(at_step: int) -> None:
@@ -329,6 +335,7 @@ def train(*, run_dir: str, model_fn, objective, data: DataConfig, optim: OptimCo
             state |= {
                 "step": at_step, "scheduler": sched.state_dict(), "objective": objective.state_dict(),
                 "rng": rng_state(device), "data": loader.state_dict(), "nonfinite": {"total": skipped_total, "in_a_row": skipped_run},
+                "log_window": {"loss_sum": loss_sum, "steps": loss_steps},
                 "model_args": model_args, "config": config or {},
             }
             checkpoint.save(state, checkpoint.checkpoint_path(run_dir, at_step), keep_last=trainer.keep_last)
@@ -344,7 +351,7 @@ def train(*, run_dir: str, model_fn, objective, data: DataConfig, optim: OptimCo
     graphed = GraphedStep(lambda x, at_step, y=None: loss_and_backward(x, y, at_step), params) if trainer.cuda_graph else None
 
     metrics: dict = {}
-    window_t, window_steps, loss_sum = time.perf_counter(), 0, 0.0
+    window_t, window_steps = time.perf_counter(), 0
     t_start, step_start = time.perf_counter(), step
     pending = None  # (step, host copy of [loss, finite, grad norm], event): a step's outcome, read one step late
 
@@ -408,7 +415,7 @@ def train(*, run_dir: str, model_fn, objective, data: DataConfig, optim: OptimCo
             step += 1
             if trainer.sync_check_every and (step == step_start + 1 or step % trainer.sync_check_every == 0):
                 dist.check_in_sync(step, raw, objective)
-            window_steps += 1
+            window_steps, loss_steps = window_steps + 1, loss_steps + 1
             if logs or saves:
                 settle()
                 check_finite_weights(step, run_dir, sched.get_last_lr()[0], trained, *ema.models.values())
@@ -421,7 +428,7 @@ def train(*, run_dir: str, model_fn, objective, data: DataConfig, optim: OptimCo
                 metrics = {
                     # the objective's, of the last step: the mean over its micro-batches and ranks, as one rank logs it
                     **{k: dist.all_mean(v).item() for k, v in extra_step.items()},
-                    "loss": dist.all_mean(torch.tensor(loss_sum / window_steps, device=device)).item(),
+                    "loss": dist.all_mean(torch.tensor(loss_sum / loss_steps, device=device)).item(),
                     "grad_norm": grad_norm.item(),
                     "lr": sched.get_last_lr()[0],
                     "images_per_s": trainer.batch_size * window_steps / seconds,
@@ -435,7 +442,7 @@ def train(*, run_dir: str, model_fn, objective, data: DataConfig, optim: OptimCo
                 eta = elapsed / (step - step_start) * (trainer.max_steps - step)
                 dist.info0(progress_line(step, trainer.max_steps, metrics, elapsed, eta))
                 run_log.log(step, metrics)
-                window_t, window_steps, loss_sum = time.perf_counter(), 0, 0.0
+                window_t, window_steps, loss_sum, loss_steps = time.perf_counter(), 0, 0.0, 0
 
             if step == trainer.max_steps or (trainer.sample_every and step % trainer.sample_every == 0):
                 sample_grid(step)
