@@ -9,6 +9,12 @@ t and t - r, the paper's best choice). The MeanFlow identity (eq. 6) gives the t
 with a stop-gradient on u_tgt; loss sg(w) ||u - sg(u_tgt)||^2 (sum over dims) with the adaptive weight
 w = 1 / (||u - u_tgt||^2 + c)^p (section 4.3). Sampling: z_r = z_t - (t - r) u(z_t, r, t) (eq. 12).
 
+Tangent (`tangent`): "sample" is the paper's, the conditional velocity v = eps - x in the JVP
+(unbiased, since u_tgt is linear in v, but as noisy as v); "model" puts the model's own instantaneous
+velocity sg(u(z_t, t, t)) there instead (one more forward without gradient): the same fixed point
+(u(z, t, t) is the marginal velocity there) with a less noisy target. The loss stays
+||u - sg(v - (t - r) du/dt)||^2 = ||u + (t - r) sg(du/dt) - v||^2, the "velocity loss" form.
+
 Guidance in training (section 4.2, eqs. 13-19, off by default): v is replaced, in the target and in
 the JVP tangent, by v~ = omega v + kappa u(z_t, t, t | y) + (1 - omega - kappa) u(z_t, t, t | null),
 the two u's without gradient; samples whose label was dropped to the null class keep v~ = v.
@@ -27,6 +33,9 @@ from flm.objectives.jvp import check_jvp_mode, jvp
 from flm.objectives.paths import LinearPath, bcast, check_probability, check_std, logit_normal, time_grid
 
 
+TANGENTS = ("sample", "model")
+
+
 class MeanFlow(nn.Module):
     """MeanFlow loss and its 1- or few-step sampler.
 
@@ -37,6 +46,7 @@ class MeanFlow(nn.Module):
             p = 0 is the plain squared error.
         cfg_omega, cfg_kappa: guidance in training (paper eq. 19); 1.0 and 0.0 turn it off.
         label_dropout: probability of the null label (CFG training); classes read from the model.
+        tangent: "sample" (v, the paper's) or "model" (sg(u(z_t, t, t)), see the module docstring).
         jvp_mode: "dual" (one dual pass) or "two_pass" (no-grad JVP pass + gradient pass).
 
     No parameters or state.
@@ -55,6 +65,7 @@ class MeanFlow(nn.Module):
         cfg_omega: float = 1.0,
         cfg_kappa: float = 0.0,
         label_dropout: float = 0.1,
+        tangent: str = "sample",
         jvp_mode: str = "dual",
     ):
         super().__init__()
@@ -71,7 +82,9 @@ class MeanFlow(nn.Module):
         self.t_mean, self.t_std, self.r_neq_t = t_mean, t_std, r_neq_t
         self.adaptive_p, self.adaptive_c = adaptive_p, adaptive_c
         self.cfg_omega, self.cfg_kappa = cfg_omega, cfg_kappa
-        self.label_dropout = label_dropout
+        if tangent not in TANGENTS:
+            raise ValueError(f"unknown tangent {tangent!r}; valid tangents: {', '.join(TANGENTS)}")
+        self.label_dropout, self.tangent = label_dropout, tangent
         self.jvp_mode = check_jvp_mode(jvp_mode)
         self.path = LinearPath()
 
@@ -105,11 +118,14 @@ class MeanFlow(nn.Module):
         s = self.path.sample(x, torch.randn_like(x), t)
         guided_training = self.cfg_omega != 1.0 or self.cfg_kappa != 0.0
         v = self._guided_velocity(model, s, y, y_in) if guided_training else s.dx_t
+        if self.tangent == "model":
+            with torch.no_grad():
+                dz = model(s.x_t, t, t, y_in)
+        else:
+            dz = v.to(s.x_t.dtype)
 
-        # u and du/dt along (dz, dr, dt) = (v, 0, 1): r carries no tangent (eq. 8)
-        u, dudt = jvp(
-            lambda z, t_: model(z, t_, r, y_in), (s.x_t, t), (v.to(s.x_t.dtype), torch.ones_like(t)), mode=self.jvp_mode
-        )
+        # u and du/dt along (dz, dr, dt) = (v, 0, 1) (eq. 8; dz = sg(u(z_t, t, t)) for tangent="model"): r has none
+        u, dudt = jvp(lambda z, t_: model(z, t_, r, y_in), (s.x_t, t), (dz, torch.ones_like(t)), mode=self.jvp_mode)
         u_tgt = (v - bcast(t - r, v) * dudt.float()).detach()
         err = u.float() - u_tgt
         sq = err.square().flatten(1).sum(1)  # ||u - u_tgt||^2 per sample

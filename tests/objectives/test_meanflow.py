@@ -37,6 +37,21 @@ def test_target_away_from_the_solution(jvp_mode):
     torch.testing.assert_close(loss, 4 * c**2 * ((2 * t - r) ** 2).mean(), rtol=1e-4, atol=0)
 
 
+def test_model_tangent_away_from_the_solution():
+    """tangent="model" puts u(z, t, t) = v + c t into the JVP: du/dt = 2c, u - u_tgt = c (3t - 2r)."""
+    c, x = 0.3, _data()
+    objective = MeanFlow(r_neq_t=0.5, adaptive_p=0.0, tangent="model")
+    torch.manual_seed(1)
+    loss, _ = objective.loss(PointMassMeanFlow(A, offset=c), x)
+    torch.manual_seed(1)
+    t, r = objective.sample_times(x.shape[0], x.device)
+    torch.testing.assert_close(loss, 4 * c**2 * ((3 * t - 2 * r) ** 2).mean(), rtol=1e-4, atol=0)
+    _, metrics = MeanFlow(r_neq_t=1.0, tangent="model").loss(PointMassMeanFlow(A), x)
+    assert metrics["mse"] < 1e-10
+    with pytest.raises(ValueError, match="valid tangents: sample, model"):
+        MeanFlow(tangent="u")
+
+
 def test_sample_times():
     torch.manual_seed(0)
     t, r = MeanFlow(r_neq_t=0.25).sample_times(20000, "cpu")

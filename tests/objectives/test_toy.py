@@ -1,0 +1,59 @@
+"""The Gaussian-mixture toy of benchmarks/toy.py: its exact flow maps, and objectives trained on it."""
+
+import math
+
+import pytest
+import torch
+
+from benchmarks.toy import GMM, default_gmm, energy_distance, flow_map, linear_velocity, train, trig_velocity
+
+
+def test_linear_flow_map_of_one_gaussian_is_the_affine_map():
+    """x_t = (1 - t) x0 + t eps with x0 ~ N(mu, s^2): the flow carries noise n to mu + s n."""
+    mu, s = torch.tensor([[0.7, -0.3, 0.2]]), 0.2
+    n = torch.randn(200, 3, dtype=torch.float64)
+    x0 = flow_map(linear_velocity(GMM(mu, s)), n, 1.0, 0.0)
+    torch.testing.assert_close(x0, mu.double() + s * n, atol=1e-8, rtol=0)
+
+
+def test_trigflow_flow_map_of_one_gaussian_keeps_the_standardised_point():
+    """x_t = cos t x0 + sin t z: x_t ~ N(cos t mu, cos^2 t s^2 + sin^2 t sigma_d^2), the flow keeps the
+    standardised coordinate, from t = 1.4 down to the data."""
+    mu, s, sigma_d, t = torch.tensor([[0.5, 1.0]]), 0.3, 0.5, 1.4
+    x_t = torch.randn(200, 2, dtype=torch.float64)
+    x0 = flow_map(trig_velocity(GMM(mu, s), sigma_d), x_t, t, 0.0)
+    std_t = math.sqrt(math.cos(t) ** 2 * s**2 + math.sin(t) ** 2 * sigma_d**2)
+    torch.testing.assert_close(x0, mu.double() + s * (x_t - math.cos(t) * mu.double()) / std_t, atol=1e-8, rtol=0)
+
+
+@pytest.mark.parametrize("velocity", ["linear", "trig"])
+def test_exact_map_of_the_mixture_lands_on_the_mixture(velocity):
+    g = torch.Generator().manual_seed(0)
+    gmm = default_gmm()
+    n = torch.randn(800, 2, generator=g, dtype=torch.float64)
+    if velocity == "linear":
+        x0 = flow_map(linear_velocity(gmm), n, 1.0, 0.0)
+    else:
+        x0 = flow_map(trig_velocity(gmm, 0.5), 0.5 * n, math.atan(80 / 0.5), 0.0)
+    data = gmm.sample(800, generator=g)
+    floor = energy_distance(gmm.sample(800, generator=g), data)
+    assert energy_distance(x0, data) < 3 * floor + 2e-3
+    assert energy_distance(n, data) > 100 * floor  # the test can tell noise from data
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny MLPs run fastest on one thread (and leave the other cores alone)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def test_meanflow_one_step_map_approaches_the_exact_map(one_thread):
+    """A short MeanFlow run: its one-step map is far closer to the exact flow map than the best
+    constant map (the data mean, err ~ 1 on the unit ring) and than one Euler step of flow matching."""
+    small = dict(steps=300, eval_every=300, batch=128, hidden=64, n_eval=300, log=lambda _: None)
+    mf = train("meanflow", adaptive_p=0.0, **small)[-1]
+    fm = train("flow_matching", **small)[-1]
+    assert mf["err1"] < 0.3 and mf["err1"] < 0.3 * fm["err1"]
