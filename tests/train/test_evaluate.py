@@ -147,3 +147,13 @@ def test_in_loop_evaluation_fails_before_training(train_run, tmp_path):
     with pytest.raises(FileNotFoundError, match="fetch-data.sh DIR fid"):
         train_run(tmp_path / "loop", ["trainer.eval_every=2", f"trainer.eval_inception={tmp_path / 'none.pt'}"])
     assert not (tmp_path / "loop" / "metrics.jsonl").exists()
+
+
+def test_evaluate_config_reads_the_environment(cfg_of, monkeypatch):
+    monkeypatch.setenv("FLM_FID_INCEPTION", "/somewhere/inception.pt")
+    monkeypatch.setenv("FLM_FID_CACHE", "/somewhere/cache")
+    cfg = cfg_of("evaluate", ["ckpt=run", "steps=[1,2]"])
+    assert cfg.inception == "/somewhere/inception.pt" and cfg.fid_cache == "/somewhere/cache"
+    assert parse_steps(cfg.steps) == [1, 2] and cfg.weights == "ema" and cfg.n == 10000
+    trainer = cfg_of("train", ["trainer.eval_every=100"]).trainer
+    assert trainer.eval_inception == "/somewhere/inception.pt" and trainer.eval_steps is None
