@@ -157,3 +157,19 @@ def test_evaluate_config_reads_the_environment(cfg_of, monkeypatch):
     assert parse_steps(cfg.steps) == [1, 2] and cfg.weights == "ema" and cfg.n == 10000
     trainer = cfg_of("train", ["trainer.eval_every=100"]).trainer
     assert trainer.eval_inception == "/somewhere/inception.pt" and trainer.eval_steps is None
+
+
+def test_image_folder_reference_is_cached_under_its_path(tmp_path):
+    from PIL import Image
+
+    for c in ("a", "b"):
+        (tmp_path / "images" / c).mkdir(parents=True)
+        for i in range(3):
+            Image.fromarray(np.full((12, 12, 3), 40 * i + (c == "b") * 100, np.uint8)).save(tmp_path / "images" / c / f"{i}.png")
+    data = DataConfig(name="imagefolder", root=str(tmp_path / "images"), resolution=8)
+    net = FeatureNet(net=StandIn().eval(), name="standin", size=32)
+    ev = Evaluator(data=data, shape=(3, 8, 8), num_classes=2, n=4, features=net, cache=str(tmp_path / "cache"))
+    assert ev.reference.n == 6 and ev.reference.resolution == 8 and ev.reference.dataset.startswith("imagefolder-")
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [f"{ev.reference.dataset}-train-8x8-standin.npz"]
+    with pytest.raises(ValueError, match="differs in resolution"):
+        Evaluator(data=data, shape=(3, 16, 16), num_classes=2, n=4, features=net, cache=str(tmp_path / "cache"))
