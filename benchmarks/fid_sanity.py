@@ -24,12 +24,14 @@ def main() -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--full", action="store_true", help="also vs the whole MNIST test split (cached statistics)")
     p.add_argument("--cache", default=None)
+    p.add_argument("--subset", choices=("random", "first"), default="random", help="n random images (seed 0) or the first n")
     args = p.parse_args()
     net = load_inception(args.inception, device=args.device)
 
     def stats(name, split):
         data = build_dataset(name, root=args.data, download=False, split=split)
-        idx = torch.randperm(len(data), generator=torch.Generator().manual_seed(0))[: args.n]
+        order = torch.randperm(len(data), generator=torch.Generator().manual_seed(0)) if args.subset == "random" else torch.arange(len(data))
+        idx = order[: args.n]
         t = time.perf_counter()
         s = moments(features(data.__getitems__(idx.tolist())[0], net))
         print(f"{name} {split}: {args.n} images in {time.perf_counter() - t:.0f} s", flush=True)
@@ -38,6 +40,7 @@ def main() -> None:
     mnist_test = stats("mnist", "test")
     mnist_train = stats("mnist", "train")
     fashion = stats("fashion_mnist", "test")
+    print(f"{args.subset} subsets")
     print(f"FID MNIST train vs test ({args.n} vs {args.n}): {frechet_distance(*mnist_train, *mnist_test):.2f}")
     print(f"FID Fashion-MNIST vs MNIST test ({args.n} vs {args.n}): {frechet_distance(*fashion, *mnist_test):.2f}")
     if args.full:

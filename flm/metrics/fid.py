@@ -173,6 +173,13 @@ def frechet_distance(mu1, sigma1, mu2, sigma2) -> float:
 _CANONICAL = {"mnist_shipped": "mnist"}  # the shipped digits are MNIST's test split, bit for bit
 
 
+def dataset_name(dataset: str, root: str = "data") -> str:
+    """The dataset as reference statistics record it; an image folder is named by its path's hash."""
+    if dataset == "imagefolder":
+        return f"imagefolder-{hashlib.sha256(os.path.abspath(root).encode()).hexdigest()[:8]}"
+    return _CANONICAL.get(dataset, dataset)
+
+
 def default_split(dataset: str) -> str:
     """test for the 10,000-image test splits of MNIST and Fashion-MNIST; train (all images) otherwise."""
     return "test" if dataset in ("mnist", "mnist_shipped", "fashion_mnist") else "train"
@@ -195,7 +202,7 @@ class Stats:
 
     def describe(self) -> str:
         res = f"{self.resolution}x{self.resolution}" if self.resolution else "unknown resolution"
-        return f"{self.dataset or 'unknown dataset'} {self.split or ''} {res} ({self.network or 'unknown network'})"
+        return f"{self.dataset or 'unknown dataset'} {self.split or 'unknown split'} {res} ({self.network or 'unknown network'})"
 
     def save(self, path: str) -> None:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -268,9 +275,7 @@ def reference_stats(net: FeatureNet, dataset: str, *, split: str | None = None, 
     the folder too); the other datasets have one resolution each.
     """
     split = split or default_split(dataset)
-    name = _CANONICAL.get(dataset, dataset)
-    if dataset == "imagefolder":
-        name = f"imagefolder-{hashlib.sha256(os.path.abspath(root).encode()).hexdigest()[:8]}"
+    name = dataset_name(dataset, root)
     data = reference_images(dataset, split=split, root=root, resolution=resolution, channels=channels)
     path = os.path.join(cache_dir(cache), stats_key(name, split, data.resolution, net.name))
     if os.path.isfile(path):

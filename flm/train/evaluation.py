@@ -92,8 +92,8 @@ class Evaluator:
                                         resolution=self.data.resolution, channels=self.data.channels,
                                         cache=self.cache, batch_size=self.batch_size)
             source = f"{self.data.name} {split}"
-        fid.check_stats(stats, source=source, dataset=self.data.name, split=split, resolution=self.shape[-1],
-                        network=self.net.name)
+        fid.check_stats(stats, source=source, dataset=fid.dataset_name(self.data.name, self.data.root), split=split,
+                        resolution=self.shape[-1], network=self.net.name)
         return stats
 
     @torch.no_grad()

@@ -1,4 +1,5 @@
 import os
+import pathlib
 
 import numpy as np
 import pytest
@@ -9,7 +10,8 @@ from flm.metrics import fid
 from flm.metrics.fid import (FeatureNet, Stats, check_stats, features, frechet_distance, load_inception, moments,
                              prepare, read_stats, reference_stats, stats_key)
 
-INCEPTION = os.environ.get(fid.INCEPTION_ENV) or "/work/data/fid/inception-2015-12-05-fid.torchscript.pt"
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+INCEPTION = os.environ.get(fid.INCEPTION_ENV) or str(ROOT / "data" / "fid" / fid.INCEPTION_FILE)
 
 
 def scipy_fid(mu1, s1, mu2, s2):

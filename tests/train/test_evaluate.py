@@ -101,3 +101,75 @@ def test_bad_inputs_are_one_line_errors(run, evaluate_run, tmp_path):
 def test_bad_input_exits_with_one_error_line(run, tmp_path):
     rc, _, err = run_script("evaluate", f"ckpt={run['dir']}", "n=abc", f"inception={run['inception']}")
     assert rc == 1 and err.strip().splitlines() == ["error: n must be an integer >= 2 (FID fits a covariance; 10000 is usual), got 'abc'"]
+
+
+def test_two_processes_score_as_one(run, tmp_path):
+    """Under torchrun the ranks split the images and gather the features: the same numbers as one process."""
+    import os
+    import subprocess
+    import sys
+
+    from .conftest import ROOT
+
+    args = [f"ckpt={run['dir']}", "n=9", "steps=[1,2]", "batch_size=2", "device=cpu",
+            f"inception={run['inception']}", f"ref={run['ref']}"]
+    rc, _, err = run_script("evaluate", *args, f"out={tmp_path / 'one.json'}")
+    assert rc == 0, err
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(ROOT / "evaluate.py"), *args, f"out={tmp_path / 'two.json'}"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    one, two = (json.loads((tmp_path / f"{k}.json").read_text())["results"] for k in ("one", "two"))
+    assert one.keys() == two.keys()
+    for k in one:
+        assert two[k] == pytest.approx(one[k], rel=1e-5), k
+
+
+def test_in_loop_evaluation_is_logged(run, train_run, tmp_path):
+    from flm.metrics import fid
+    from flm.metrics.fid import features, file_hash, stats_of, stats_key
+
+    # the reference statistics, cached where the loop looks for them (computing all 10,000 is slow here)
+    net = fid.load_inception(run["inception"])
+    digits = shipped_mnist().images[:300].float() / 127.5 - 1
+    stats_of(features(digits, net), dataset="mnist", split="test", resolution=28, network=net.name).save(
+        str(tmp_path / "cache" / stats_key("mnist", "test", 28, f"inception-{file_hash(run['inception'])}")))
+    train_run(tmp_path / "loop", ["trainer.eval_every=2", "trainer.eval_n=6", "trainer.eval_steps=[1,2]",
+                                  f"trainer.eval_inception={run['inception']}", f"trainer.eval_cache={tmp_path / 'cache'}"])
+    rows = [json.loads(line) for line in (tmp_path / "loop" / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in rows if "fid_steps1" in r]
+    assert [r["step"] for r in evals] == [2, 4]
+    assert all(np.isfinite(r["fid_steps2"]) and 0 <= r["label_acc_steps1"] <= 1 for r in evals)
+
+
+def test_in_loop_evaluation_fails_before_training(train_run, tmp_path):
+    with pytest.raises(FileNotFoundError, match="fetch-data.sh DIR fid"):
+        train_run(tmp_path / "loop", ["trainer.eval_every=2", f"trainer.eval_inception={tmp_path / 'none.pt'}"])
+    assert not (tmp_path / "loop" / "metrics.jsonl").exists()
+
+
+def test_evaluate_config_reads_the_environment(cfg_of, monkeypatch):
+    monkeypatch.setenv("FLM_FID_INCEPTION", "/somewhere/inception.pt")
+    monkeypatch.setenv("FLM_FID_CACHE", "/somewhere/cache")
+    cfg = cfg_of("evaluate", ["ckpt=run", "steps=[1,2]"])
+    assert cfg.inception == "/somewhere/inception.pt" and cfg.fid_cache == "/somewhere/cache"
+    assert parse_steps(cfg.steps) == [1, 2] and cfg.weights == "ema" and cfg.n == 10000
+    trainer = cfg_of("train", ["trainer.eval_every=100"]).trainer
+    assert trainer.eval_inception == "/somewhere/inception.pt" and trainer.eval_steps is None
+
+
+def test_image_folder_reference_is_cached_under_its_path(tmp_path):
+    from PIL import Image
+
+    for c in ("a", "b"):
+        (tmp_path / "images" / c).mkdir(parents=True)
+        for i in range(3):
+            Image.fromarray(np.full((12, 12, 3), 40 * i + (c == "b") * 100, np.uint8)).save(tmp_path / "images" / c / f"{i}.png")
+    data = DataConfig(name="imagefolder", root=str(tmp_path / "images"), resolution=8)
+    net = FeatureNet(net=StandIn().eval(), name="standin", size=32)
+    ev = Evaluator(data=data, shape=(3, 8, 8), num_classes=2, n=4, features=net, cache=str(tmp_path / "cache"))
+    assert ev.reference.n == 6 and ev.reference.resolution == 8 and ev.reference.dataset.startswith("imagefolder-")
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [f"{ev.reference.dataset}-train-8x8-standin.npz"]
+    with pytest.raises(ValueError, match="differs in resolution"):
+        Evaluator(data=data, shape=(3, 16, 16), num_classes=2, n=4, features=net, cache=str(tmp_path / "cache"))
