@@ -29,13 +29,12 @@ from flm.train.config import build_group
 def run(cfg: DictConfig, run_dir: str) -> dict:
     return train(
         run_dir=run_dir,
-        model_fn=build_group(cfg, "model"),
+        model=build_group(cfg, "model"),
         objective=build_group(cfg, "objective"),
         data=build_group(cfg, "data"),
         optim=build_group(cfg, "optim"),
         trainer=build_group(cfg, "trainer"),
         logger=build_group(cfg, "logger"),
-        attention=cfg.attention.backend,
         config=OmegaConf.to_container(cfg, resolve=True),
     )
 

@@ -30,19 +30,18 @@ import statistics
 
 import hydra
 import torch
-import torch.nn.functional as F
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from flm import dist
 from flm.attention import BACKENDS
 from flm.data import DataConfig, Loader
-from flm.models import MODEL_SIZES
+from flm.models import MODEL_SIZES, build_model
 from flm.objectives.jvp import record_tangents
-from flm.train import train
+from flm.train import checkpoint, train
 from flm.train.cli import report_user_errors, user_error
 from flm.train.config import build_group
-from flm.train.loop import amp_dtype
+from flm.train.settings import amp_dtype, local_batch_size
 
 # Default tolerances by compute precision: (loss, grad, tangent).
 TOLERANCES = {"bf16": (5e-2, 1e-2, 1e-2), "fp32": (1e-3, 1e-4, 1e-4)}
@@ -53,28 +52,10 @@ TOLERANCES = {"bf16": (5e-2, 1e-2, 1e-2), "fp32": (1e-3, 1e-4, 1e-4)}
 # ----------------------------------------------------------------------------------------------
 
 
-class Resized(torch.utils.data.Dataset):
-    """A dataset's images resized (bilinear) to side x side."""
-
-    def __init__(self, dataset, side: int):
-        self.dataset, self.resolution = dataset, side
-        self.channels, self.num_classes = dataset.channels, dataset.num_classes
-
-    def __len__(self):
-        return len(self.dataset)
-
-    def __getitems__(self, indices):
-        x, y = self.dataset.__getitems__(indices)
-        return F.interpolate(x, size=(self.resolution, self.resolution), mode="bilinear", antialias=True), y
-
-
-@dataclasses.dataclass
-class ResizedData(DataConfig):
-    side: int | None = None  # None: the dataset's own size
-
-    def build(self):
-        dataset = super().build()
-        return dataset if self.side in (None, dataset.resolution) else Resized(dataset, self.side)
+def data_at(cfg: DictConfig, side: int | None) -> DataConfig:
+    """The run's data, resized to side x side (None: as it is)."""
+    data = build_group(cfg, "data")
+    return data if side is None else dataclasses.replace(data, resolution=side)
 
 
 def image_side(model: str, tokens: int | None) -> int | None:
@@ -122,20 +103,11 @@ def train_with(cfg: DictConfig, backend: str, run_dir: str, side: int | None, wa
                keep_weights: bool) -> tuple[Result, Trained | None]:
     """Train with `backend` into run_dir; a backend that cannot run here (or runs out of memory) is skipped."""
     cfg = copy.deepcopy(cfg)
-    cfg.attention.backend = backend
-    model_fn, objective = build_group(cfg, "model"), build_group(cfg, "objective")
-    built = {}
-
-    def build_model(**kwargs):  # the loop's model, kept for its final weights
-        built["args"], built["model"] = kwargs, model_fn(**kwargs)
-        return built["model"]
-
-    build_model.keywords = model_fn.keywords  # the model options the loop records
-    data = ResizedData(**dataclasses.asdict(build_group(cfg, "data")), side=side)
+    cfg.model.attention = backend
     try:
-        train(run_dir=run_dir, model_fn=build_model, objective=objective, data=data, optim=build_group(cfg, "optim"),
-              trainer=build_group(cfg, "trainer"), logger=build_group(cfg, "logger"), attention=backend,
-              config=OmegaConf.to_container(cfg, resolve=True))
+        train(run_dir=run_dir, model=build_group(cfg, "model"), objective=build_group(cfg, "objective"),
+              data=data_at(cfg, side), optim=build_group(cfg, "optim"), trainer=build_group(cfg, "trainer"),
+              logger=build_group(cfg, "logger"), config=OmegaConf.to_container(cfg, resolve=True))
     except Exception as e:
         out_of_memory = isinstance(e, torch.cuda.OutOfMemoryError)
         cause = user_error(e)
@@ -147,6 +119,10 @@ def train_with(cfg: DictConfig, backend: str, run_dir: str, side: int | None, wa
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+    trained = None
+    if keep_weights:  # the final checkpoint: the weights probe() starts from
+        bundle = checkpoint.load(checkpoint.find_checkpoint(run_dir))
+        trained = Trained(bundle["model_args"], bundle["model"], bundle["objective"])
     shutil.rmtree(os.path.join(run_dir, "checkpoints"), ignore_errors=True)  # weights are not what we compare
 
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
@@ -156,8 +132,6 @@ def train_with(cfg: DictConfig, backend: str, run_dir: str, side: int | None, wa
     result = Result(backend, curve=curve, losses=[float(r[curve]) for r in records], step_ms=median_ms,
                     images_per_s=cfg.trainer.batch_size * 1000 / median_ms,
                     peak_gib=max((r["gpu_mem_gib"] for r in records if "gpu_mem_gib" in r), default=None))
-    cpu = lambda state: {k: v.detach().cpu().clone() for k, v in state.items()}  # noqa: E731
-    trained = Trained(built["args"], cpu(built["model"].state_dict()), cpu(objective.state_dict())) if keep_weights else None
     return result, trained
 
 
@@ -169,13 +143,13 @@ def probe(cfg: DictConfig, backend: str, trained: Trained, dataset, device: torc
     (Not at the initial weights: DiT's zero-initialised gates and output layer keep attention out of
     the first steps' output and gradients.)
     """
-    model = build_group(cfg, "model")(**{**trained.model_args, "attention": backend})
+    model = build_model(**{**trained.model_args, "attention": backend})
     model.load_state_dict(trained.model)
     model.to(device)
     objective = build_group(cfg, "objective")
     objective.load_state_dict(trained.objective)
     objective.to(device)
-    micro_batch = cfg.trainer.batch_size // cfg.trainer.grad_accum
+    micro_batch = local_batch_size(cfg.trainer.batch_size, cfg.trainer.grad_accum, world=1)
     x, y = Loader(dataset, batch_size=micro_batch, rank=0, world_size=1, seed=cfg.trainer.seed).next()
     y = y.to(device) if trained.model_args["num_classes"] else None
     torch.manual_seed(cfg.trainer.seed)
@@ -329,7 +303,7 @@ def ablate(cfg: DictConfig, run_dir: str, command: str = "python -m flm.ablate")
         results.append(result)
         reference = reference or trained
     if reference is not None:  # after all the runs, so that the probes add nothing to their peak memory
-        dataset = ResizedData(**dataclasses.asdict(build_group(cfg, "data")), side=side).build()
+        dataset = data_at(cfg, side).build()
         for r in results:
             if not r.skipped:
                 r.grads, r.tangent = probe(cfg, r.backend, reference, dataset, device, dtype)

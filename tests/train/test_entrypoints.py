@@ -8,7 +8,7 @@ import torch
 
 from flm.train import checkpoint
 from flm.train.cli import user_error
-from flm.train.loop import local_batch_size
+from flm.train.settings import local_batch_size
 
 from .conftest import TINY, run_script
 
