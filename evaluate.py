@@ -55,7 +55,8 @@ def run(cfg: DictConfig) -> dict:
                                       device=device, source=path)
     steps = parse_steps(cfg.steps if cfg.steps is not None else sampler_steps(bundle, objective, path))
     args = bundle["model_args"]
-    evaluator = Evaluator(data=run_data(run_cfg, cfg.data.root), shape=(args["in_channels"], args["input_size"], args["input_size"]),
+    evaluator = Evaluator(data=run_data(run_cfg, cfg.data.root),
+                          shape=(args["in_channels"], args["input_size"], args["input_size"]),
                           num_classes=args["num_classes"], n=n, steps=steps, cfg_scale=cfg.cfg_scale, seed=cfg.seed,
                           batch_size=cfg.batch_size, device=device, amp_dtype=amp_dtype(cfg.precision, device),
                           inception=cfg.inception, cache=cfg.fid_cache, split=cfg.data.split, ref=cfg.ref)

@@ -1,9 +1,9 @@
 """Attention backends side by side: the same training run with each, checked against `math`.
 
-    python -m flm.ablate                                       # DiT-Ti/7 MeanFlow, shipped MNIST, 50 steps
-    python -m flm.ablate model=DiT-B/2 objective=meanflow ablate.tokens=1024 trainer.batch_size=32 \\
+    python ablate.py                                           # DiT-Ti/7 MeanFlow, shipped MNIST, 50 steps
+    python ablate.py model=DiT-B/2 objective=meanflow ablate.tokens=1024 trainer.batch_size=32 \\
         trainer.max_steps=100 run_dir=ablations/dit-b2-meanflow-1024
-    python -m flm.ablate objective=flow_matching ablate.backends=[math,sdpa] trainer.precision=fp32
+    python ablate.py objective=flow_matching ablate.backends=[math,sdpa] trainer.precision=fp32
 
 Composed from configs/ablate.yaml: configs/train.yaml plus an `ablate:` section, so every train.py
 option works (model=, objective=, data=, trainer.batch_size=, trainer.max_steps=, trainer.seed=). Each
@@ -28,9 +28,7 @@ import os
 import shutil
 import statistics
 
-import hydra
 import torch
-from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from flm import dist
@@ -39,7 +37,7 @@ from flm.data import DataConfig, Loader
 from flm.models import MODEL_SIZES, build_model
 from flm.objectives.jvp import record_tangents
 from flm.train import checkpoint, train
-from flm.train.cli import report_user_errors, user_error
+from flm.train.cli import user_error
 from flm.train.config import build_group
 from flm.train.settings import amp_dtype, local_batch_size
 
@@ -277,7 +275,7 @@ def environment(device: torch.device, dtype: torch.dtype | None) -> str:
 # ----------------------------------------------------------------------------------------------
 
 
-def ablate(cfg: DictConfig, run_dir: str, command: str = "python -m flm.ablate") -> list[Result]:
+def ablate(cfg: DictConfig, run_dir: str, command: str = "python ablate.py") -> list[Result]:
     """Train with every backend of cfg.ablate.backends, compare with math, write the table and plot."""
     a = cfg.ablate
     backends = sorted(dict.fromkeys(a.backends), key=lambda b: b != "math")  # math first, no repeats
@@ -320,8 +318,8 @@ def ablate(cfg: DictConfig, run_dir: str, command: str = "python -m flm.ablate")
         f"Data: {cfg.data.name}" + (f" resized to {side}x{side}" if side else "") + ".",
         f"Agreement with math: {curve} diff = |mean {curve} - mean {curve}_math| / mean {curve}_math over the last "
         f"quarter of the steps ± its standard error (flagged beyond {tols['loss']:.0e} and 3 standard errors: bf16 "
-        f"runs with different kernels follow different trajectories); grad and tangent rel err: relative L2 error of the gradient "
-        f"({tols['grad']:.0e}) and of the objective's JVP tangent ({tols['tangent']:.0e}) in one loss on the first "
+        f"runs with different kernels follow different trajectories); grad and tangent rel err: relative L2 error of the "
+        f"gradient ({tols['grad']:.0e}) and of the objective's JVP tangent ({tols['tangent']:.0e}) in one loss on the first "
         f"batch at math's final weights. Step time: median after {a.warmup} warm-up steps.",
         f"Command: `{command}`",
     ]
@@ -334,16 +332,3 @@ def ablate(cfg: DictConfig, run_dir: str, command: str = "python -m flm.ablate")
         json.dump({"title": title, "command": command, "tolerances": tols, "results": numbers}, f, indent=1)
     dist.info0(f"ablation: {os.path.join(run_dir, 'ablation.md')} and ablation.png")
     return results
-
-
-@hydra.main(config_path="../configs", config_name="ablate", version_base="1.3")
-def main(cfg: DictConfig) -> None:
-    hydra_cfg = HydraConfig.get()
-    run_dir = hydra_cfg.runtime.output_dir
-    command = " ".join(["python -m flm.ablate", *hydra_cfg.overrides.task])
-    with report_user_errors(run_dir):
-        ablate(cfg, run_dir, command)
-
-
-if __name__ == "__main__":
-    main()

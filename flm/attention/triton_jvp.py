@@ -132,7 +132,8 @@ def _(do, q, k, v, o, lse, causal, scale):
 
 @functools.cache
 def _warn_flash_attn_signature(err: Exception) -> None:
-    warnings.warn(f"flash_attn's backward did not accept flm's call ({err}); using PyTorch's FlashAttention-2 backward")
+    warnings.warn(f"flash_attn's backward did not accept flm's call ({err}); using PyTorch's FlashAttention-2 backward",
+                  stacklevel=2)
 
 
 def _op(op, impl):

@@ -10,8 +10,9 @@ the loop relies on is written down in flm.objectives.protocol (Objective, Networ
 
 Every objective is an nn.Module (parameters: only sCM's adaptive weighting; state_dict for the
 checkpoint) with `time_inputs` (1, or 2 for MeanFlow's (t, r)), `sample_steps` (its sampler's default),
-`networks` (what it needs besides the model: none here; a distillation's teacher and fake score), `loss(model, x, y=None, *, step=0) -> (loss, metrics)`
-(step: an int, or a 0-dim tensor on the device when the step is a CUDA graph) and `sample(model, noise, y=None, *, steps, cfg_scale=1.0, generators=None) -> x`;
+`networks` (what it needs besides the model: none here; a distillation's teacher and fake score),
+`loss(model, x, y=None, *, step=0) -> (loss, metrics)` (step: an int, or a 0-dim tensor on the device
+when the step is a CUDA graph) and `sample(model, noise, y=None, *, steps, cfg_scale=1.0, generators=None) -> x`;
 `generators` (one torch.Generator per image) feed any noise a sampler draws after `noise` (sCM's
 multi-step re-noising), so samples do not depend on the batch size; deterministic samplers draw none.
 """

@@ -181,8 +181,9 @@ def train(*, run_dir: str, model: ModelConfig, objective: Objective, data: DataC
         if state.step >= trainer.max_steps:
             raise ValueError(f"checkpoint {resume_from!r} is at step {state.step}, and trainer.max_steps={trainer.max_steps}: "
                              f"nothing to train; pass trainer.max_steps > {state.step} to continue the run")
+    n_params = sum(p.numel() for p in state.model.parameters())
     dist.info0(
-        f"run folder {os.path.abspath(run_dir)} | {model_args['name']} {sum(p.numel() for p in state.model.parameters()) / 1e6:.2f}M params | "
+        f"run folder {os.path.abspath(run_dir)} | {model_args['name']} {n_params / 1e6:.2f}M params | "
         f"{type(objective).__name__} | {len(dataset)} images {dataset.channels}x{dataset.resolution}x{dataset.resolution} | "
         f"device {device} x {world}{f' ({trainer.parallel})' if world > 1 else ''} | precision {dtype or torch.float32} | "
         f"batch {trainer.batch_size} = {world} ranks x {trainer.grad_accum} accum x {micro_batch}"
@@ -190,10 +191,11 @@ def train(*, run_dir: str, model: ModelConfig, objective: Objective, data: DataC
     )
     shape = (dataset.channels, dataset.resolution, dataset.resolution)
     steps = trainer.sample_steps or objective.sample_steps
-    grid = dict(labels=class_labels(trainer.sample_n, num_classes), shape=shape, steps=steps, batch_size=micro_batch * trainer.grad_accum,
+    per_rank = micro_batch * trainer.grad_accum  # images per rank per step: the sampling batch
+    grid = dict(labels=class_labels(trainer.sample_n, num_classes), shape=shape, steps=steps, batch_size=per_rank,
                 device=device, amp_dtype=dtype)
     in_loop_eval = InTraining(trainer, data, shape=shape, num_classes=num_classes, device=device, amp_dtype=dtype,
-                              batch_size=micro_batch * trainer.grad_accum, sample_steps=steps)
+                              batch_size=per_rank, sample_steps=steps)
     run_log = RunLogger(run_dir, logger, run_config=config, resumed_at=state.step if resume_from else None)
 
     def loss_and_backward(x, y, step):

@@ -87,7 +87,8 @@ class TrainState:
     def parts(self, source: str = "the checkpoint") -> dict:
         """The checkpoint's contents, in load order: the records that a resume checks come first."""
         parts = {
-            "model_args": Part(lambda: self.model_args, lambda saved: checkpoint.check_model_args(source, saved, self.model_args)),
+            "model_args": Part(lambda: self.model_args,
+                               lambda saved: checkpoint.check_model_args(source, saved, self.model_args)),
             "config": Part(lambda: self.config, lambda saved: checkpoint.check_objective(source, saved, self.config)),
             "model": Weights(self.model),
             "ema": self.ema,
@@ -140,10 +141,10 @@ class TrainState:
         finite = dist.all_min(torch.stack(torch._foreach_norm(tensors)).isfinite().all().float())  # one host sync
         if finite.item() != 1.0:
             saved = checkpoint.list_checkpoints(run_dir)
-            lr = self.optimizers["model"].lr
+            latest = f"the latest checkpoint is still {saved[-1]}" if saved else "no checkpoint yet"
             raise FloatingPointError(
-                f"the weights are not finite after step {self.step} (an update overflowed at learning rate {lr:g}); "
-                f"nothing was saved from them ({f'the latest checkpoint is still {saved[-1]}' if saved else 'no checkpoint yet'}). "
+                f"the weights are not finite after step {self.step} (an update overflowed at learning rate "
+                f"{self.optimizers['model'].lr:g}); nothing was saved from them ({latest}). "
                 f"Lower optim.lr, then resume from the last checkpoint or start anew"
             )
 
