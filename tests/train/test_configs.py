@@ -46,8 +46,8 @@ def test_every_registered_size_has_a_config():
 def test_objective_options(cfg_of, name):
     cfg = cfg_of("train", [f"objective={name}"])
     objective = instantiate(cfg.objective)
-    assert objective.time_inputs in (1, 2)
-    assert cfg.trainer.sample_steps >= 1
+    assert objective.time_inputs in (1, 2) and objective.sample_steps >= 1
+    assert cfg.trainer.sample_steps is None  # the objective's own, unless the command line says otherwise
 
 
 @pytest.mark.parametrize("name", options("attention"))
