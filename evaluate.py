@@ -24,8 +24,8 @@ from flm.data import DataConfig
 from flm.train import checkpoint
 from flm.train.cli import report_user_errors
 from flm.train.evaluation import Evaluator, check_n, parse_steps
-from flm.train.generator import load_generator
-from flm.train.loop import amp_dtype
+from flm.train.generator import load_generator, sampler_steps
+from flm.train.settings import amp_dtype
 
 
 def run_data(run_cfg: dict, root: str | None) -> DataConfig:
@@ -50,11 +50,13 @@ def run(cfg: DictConfig) -> dict:
     path = checkpoint.find_checkpoint(str(cfg.ckpt))
     bundle = checkpoint.load(path)
     run_cfg = bundle["config"]
-    steps = parse_steps(cfg.steps if cfg.steps is not None else (run_cfg.get("trainer") or {}).get("sample_steps", 1))
     device = dist.init(cfg.device)
-    model, objective = load_generator(bundle, weights=cfg.weights, ema_decay=cfg.ema_decay, device=device, source=path)
+    model, objective = load_generator(bundle, weights=cfg.weights, ema_decay=cfg.ema_decay, attention=cfg.attention,
+                                      device=device, source=path)
+    steps = parse_steps(cfg.steps if cfg.steps is not None else sampler_steps(bundle, objective, path))
     args = bundle["model_args"]
-    evaluator = Evaluator(data=run_data(run_cfg, cfg.data.root), shape=(args["in_channels"], args["input_size"], args["input_size"]),
+    evaluator = Evaluator(data=run_data(run_cfg, cfg.data.root),
+                          shape=(args["in_channels"], args["input_size"], args["input_size"]),
                           num_classes=args["num_classes"], n=n, steps=steps, cfg_scale=cfg.cfg_scale, seed=cfg.seed,
                           batch_size=cfg.batch_size, device=device, amp_dtype=amp_dtype(cfg.precision, device),
                           inception=cfg.inception, cache=cfg.fid_cache, split=cfg.data.split, ref=cfg.ref)

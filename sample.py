@@ -19,10 +19,10 @@ from omegaconf import DictConfig
 from flm import dist
 from flm.train import checkpoint
 from flm.train.cli import report_user_errors
-from flm.train.generator import load_generator
-from flm.train.loop import amp_dtype
+from flm.train.generator import load_generator, sampler_steps
 from flm.train.sampling import class_labels, generate, save_grid, save_npz
-from flm.typed import check_fields, typed
+from flm.train.settings import amp_dtype
+from flm.typed import check_fields
 
 
 @dataclass
@@ -38,6 +38,7 @@ class SampleConfig:
     batch_size: int = 64
     weights: str = "ema"
     ema_decay: float | None = None
+    attention: str = "auto"
     device: str = "auto"
     precision: str = "auto"
     out: str | None = None
@@ -55,11 +56,11 @@ def run(cfg: DictConfig) -> str:
     cfg = SampleConfig(**cfg)
     path = checkpoint.find_checkpoint(cfg.ckpt)
     bundle = checkpoint.load(path)
-    run_cfg = bundle["config"]
     device = dist.init(cfg.device)
-    model, objective = load_generator(bundle, weights=cfg.weights, ema_decay=cfg.ema_decay, device=device, source=path)
+    model, objective = load_generator(bundle, weights=cfg.weights, ema_decay=cfg.ema_decay, attention=cfg.attention,
+                                      device=device, source=path)
 
-    steps = cfg.steps if cfg.steps is not None else typed(run_cfg["trainer"]["sample_steps"], int, f"{path}: trainer.sample_steps")
+    steps = cfg.steps if cfg.steps is not None else sampler_steps(bundle, objective, path)
     seeds = list(range(cfg.seed, cfg.seed + cfg.n))
     num_classes = bundle["model_args"]["num_classes"]
     labels = class_labels(cfg.n, num_classes, cfg.label)

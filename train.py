@@ -5,7 +5,7 @@
     python train.py experiment=cifar10_meanflow attention=triton_jvp
     python train.py run_dir=outputs/2025-01-01/12-00-00 trainer.resume=auto   # continue a run exactly
     python train.py -m objective=flow_matching,meanflow,scm   # a Hydra multirun, one folder per job
-    python train.py -m attention=math,sdpa,flash,triton_jvp   # per-backend step time, memory, loss (python -m flm.ablate compares them)
+    python train.py -m attention=math,sdpa,flash,triton_jvp   # per-backend step time, memory, loss (ablate.py compares them)
     torchrun --standalone --nproc_per_node=8 train.py experiment=cifar10_scm   # DDP
     torchrun --nnodes=2 --node_rank=$RANK --nproc_per_node=8 --rdzv_backend=c10d \\
         --rdzv_endpoint=$HOST:29500 train.py experiment=cifar10_scm run_dir=/shared/runs/scm   # several machines
@@ -29,13 +29,12 @@ from flm.train.config import build_group
 def run(cfg: DictConfig, run_dir: str) -> dict:
     return train(
         run_dir=run_dir,
-        model_fn=build_group(cfg, "model"),
+        model=build_group(cfg, "model"),
         objective=build_group(cfg, "objective"),
         data=build_group(cfg, "data"),
         optim=build_group(cfg, "optim"),
         trainer=build_group(cfg, "trainer"),
         logger=build_group(cfg, "logger"),
-        attention=cfg.attention.backend,
         config=OmegaConf.to_container(cfg, resolve=True),
     )
 

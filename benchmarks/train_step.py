@@ -30,9 +30,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton kernels on the CPU (before triton loads)
 
-from flm.models import build_model  # noqa: E402
-from flm.objectives import build_objective  # noqa: E402
-from flm.train.graphs import GraphedStep  # noqa: E402
+from flm.models import build_model
+from flm.objectives import build_objective
+from flm.train.graphs import GraphedStep
 
 JVP_OBJECTIVES = ("meanflow", "scm")
 
@@ -179,7 +179,7 @@ def main(argv=None):
     for model_name, tokens, objective, backend, mode, execution in rows_to_run(args):
         try:
             ms, host, peak, batch = measure(model_name, tokens, objective, backend, mode, execution, args, device, dtype)
-        except Exception as err:  # noqa: BLE001 - OOM (and only OOM) becomes a table entry
+        except Exception as err:
             if not _is_oom(err):
                 raise
             ms = host = peak = None

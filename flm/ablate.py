@@ -1,9 +1,9 @@
 """Attention backends side by side: the same training run with each, checked against `math`.
 
-    python -m flm.ablate                                       # DiT-Ti/7 MeanFlow, shipped MNIST, 50 steps
-    python -m flm.ablate model=DiT-B/2 objective=meanflow ablate.tokens=1024 trainer.batch_size=32 \\
+    python ablate.py                                           # DiT-Ti/7 MeanFlow, shipped MNIST, 50 steps
+    python ablate.py model=DiT-B/2 objective=meanflow ablate.tokens=1024 trainer.batch_size=32 \\
         trainer.max_steps=100 run_dir=ablations/dit-b2-meanflow-1024
-    python -m flm.ablate objective=flow_matching ablate.backends=[math,sdpa] trainer.precision=fp32
+    python ablate.py objective=flow_matching ablate.backends=[math,sdpa] trainer.precision=fp32
 
 Composed from configs/ablate.yaml: configs/train.yaml plus an `ablate:` section, so every train.py
 option works (model=, objective=, data=, trainer.batch_size=, trainer.max_steps=, trainer.seed=). Each
@@ -28,21 +28,18 @@ import os
 import shutil
 import statistics
 
-import hydra
 import torch
-import torch.nn.functional as F
-from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from flm import dist
 from flm.attention import BACKENDS
 from flm.data import DataConfig, Loader
-from flm.models import MODEL_SIZES
+from flm.models import MODEL_SIZES, build_model
 from flm.objectives.jvp import record_tangents
-from flm.train import train
-from flm.train.cli import report_user_errors, user_error
+from flm.train import checkpoint, train
+from flm.train.cli import user_error
 from flm.train.config import build_group
-from flm.train.loop import amp_dtype
+from flm.train.settings import amp_dtype, local_batch_size
 
 # Default tolerances by compute precision: (loss, grad, tangent).
 TOLERANCES = {"bf16": (5e-2, 1e-2, 1e-2), "fp32": (1e-3, 1e-4, 1e-4)}
@@ -53,28 +50,10 @@ TOLERANCES = {"bf16": (5e-2, 1e-2, 1e-2), "fp32": (1e-3, 1e-4, 1e-4)}
 # ----------------------------------------------------------------------------------------------
 
 
-class Resized(torch.utils.data.Dataset):
-    """A dataset's images resized (bilinear) to side x side."""
-
-    def __init__(self, dataset, side: int):
-        self.dataset, self.resolution = dataset, side
-        self.channels, self.num_classes = dataset.channels, dataset.num_classes
-
-    def __len__(self):
-        return len(self.dataset)
-
-    def __getitems__(self, indices):
-        x, y = self.dataset.__getitems__(indices)
-        return F.interpolate(x, size=(self.resolution, self.resolution), mode="bilinear", antialias=True), y
-
-
-@dataclasses.dataclass
-class ResizedData(DataConfig):
-    side: int | None = None  # None: the dataset's own size
-
-    def build(self):
-        dataset = super().build()
-        return dataset if self.side in (None, dataset.resolution) else Resized(dataset, self.side)
+def data_at(cfg: DictConfig, side: int | None) -> DataConfig:
+    """The run's data, resized to side x side (None: as it is)."""
+    data = build_group(cfg, "data")
+    return data if side is None else dataclasses.replace(data, resolution=side)
 
 
 def image_side(model: str, tokens: int | None) -> int | None:
@@ -122,20 +101,11 @@ def train_with(cfg: DictConfig, backend: str, run_dir: str, side: int | None, wa
                keep_weights: bool) -> tuple[Result, Trained | None]:
     """Train with `backend` into run_dir; a backend that cannot run here (or runs out of memory) is skipped."""
     cfg = copy.deepcopy(cfg)
-    cfg.attention.backend = backend
-    model_fn, objective = build_group(cfg, "model"), build_group(cfg, "objective")
-    built = {}
-
-    def build_model(**kwargs):  # the loop's model, kept for its final weights
-        built["args"], built["model"] = kwargs, model_fn(**kwargs)
-        return built["model"]
-
-    build_model.keywords = model_fn.keywords  # the model options the loop records
-    data = ResizedData(**dataclasses.asdict(build_group(cfg, "data")), side=side)
+    cfg.model.attention = backend
     try:
-        train(run_dir=run_dir, model_fn=build_model, objective=objective, data=data, optim=build_group(cfg, "optim"),
-              trainer=build_group(cfg, "trainer"), logger=build_group(cfg, "logger"), attention=backend,
-              config=OmegaConf.to_container(cfg, resolve=True))
+        train(run_dir=run_dir, model=build_group(cfg, "model"), objective=build_group(cfg, "objective"),
+              data=data_at(cfg, side), optim=build_group(cfg, "optim"), trainer=build_group(cfg, "trainer"),
+              logger=build_group(cfg, "logger"), config=OmegaConf.to_container(cfg, resolve=True))
     except Exception as e:
         out_of_memory = isinstance(e, torch.cuda.OutOfMemoryError)
         cause = user_error(e)
@@ -147,6 +117,10 @@ def train_with(cfg: DictConfig, backend: str, run_dir: str, side: int | None, wa
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+    trained = None
+    if keep_weights:  # the final checkpoint: the weights probe() starts from
+        bundle = checkpoint.load(checkpoint.find_checkpoint(run_dir))
+        trained = Trained(bundle["model_args"], bundle["model"], bundle["objective"])
     shutil.rmtree(os.path.join(run_dir, "checkpoints"), ignore_errors=True)  # weights are not what we compare
 
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
@@ -156,8 +130,6 @@ def train_with(cfg: DictConfig, backend: str, run_dir: str, side: int | None, wa
     result = Result(backend, curve=curve, losses=[float(r[curve]) for r in records], step_ms=median_ms,
                     images_per_s=cfg.trainer.batch_size * 1000 / median_ms,
                     peak_gib=max((r["gpu_mem_gib"] for r in records if "gpu_mem_gib" in r), default=None))
-    cpu = lambda state: {k: v.detach().cpu().clone() for k, v in state.items()}  # noqa: E731
-    trained = Trained(built["args"], cpu(built["model"].state_dict()), cpu(objective.state_dict())) if keep_weights else None
     return result, trained
 
 
@@ -169,13 +141,13 @@ def probe(cfg: DictConfig, backend: str, trained: Trained, dataset, device: torc
     (Not at the initial weights: DiT's zero-initialised gates and output layer keep attention out of
     the first steps' output and gradients.)
     """
-    model = build_group(cfg, "model")(**{**trained.model_args, "attention": backend})
+    model = build_model(**{**trained.model_args, "attention": backend})
     model.load_state_dict(trained.model)
     model.to(device)
     objective = build_group(cfg, "objective")
     objective.load_state_dict(trained.objective)
     objective.to(device)
-    micro_batch = cfg.trainer.batch_size // cfg.trainer.grad_accum
+    micro_batch = local_batch_size(cfg.trainer.batch_size, cfg.trainer.grad_accum, world=1)
     x, y = Loader(dataset, batch_size=micro_batch, rank=0, world_size=1, seed=cfg.trainer.seed).next()
     y = y.to(device) if trained.model_args["num_classes"] else None
     torch.manual_seed(cfg.trainer.seed)
@@ -303,7 +275,7 @@ def environment(device: torch.device, dtype: torch.dtype | None) -> str:
 # ----------------------------------------------------------------------------------------------
 
 
-def ablate(cfg: DictConfig, run_dir: str, command: str = "python -m flm.ablate") -> list[Result]:
+def ablate(cfg: DictConfig, run_dir: str, command: str = "python ablate.py") -> list[Result]:
     """Train with every backend of cfg.ablate.backends, compare with math, write the table and plot."""
     a = cfg.ablate
     backends = sorted(dict.fromkeys(a.backends), key=lambda b: b != "math")  # math first, no repeats
@@ -329,7 +301,7 @@ def ablate(cfg: DictConfig, run_dir: str, command: str = "python -m flm.ablate")
         results.append(result)
         reference = reference or trained
     if reference is not None:  # after all the runs, so that the probes add nothing to their peak memory
-        dataset = ResizedData(**dataclasses.asdict(build_group(cfg, "data")), side=side).build()
+        dataset = data_at(cfg, side).build()
         for r in results:
             if not r.skipped:
                 r.grads, r.tangent = probe(cfg, r.backend, reference, dataset, device, dtype)
@@ -346,8 +318,8 @@ def ablate(cfg: DictConfig, run_dir: str, command: str = "python -m flm.ablate")
         f"Data: {cfg.data.name}" + (f" resized to {side}x{side}" if side else "") + ".",
         f"Agreement with math: {curve} diff = |mean {curve} - mean {curve}_math| / mean {curve}_math over the last "
         f"quarter of the steps ± its standard error (flagged beyond {tols['loss']:.0e} and 3 standard errors: bf16 "
-        f"runs with different kernels follow different trajectories); grad and tangent rel err: relative L2 error of the gradient "
-        f"({tols['grad']:.0e}) and of the objective's JVP tangent ({tols['tangent']:.0e}) in one loss on the first "
+        f"runs with different kernels follow different trajectories); grad and tangent rel err: relative L2 error of the "
+        f"gradient ({tols['grad']:.0e}) and of the objective's JVP tangent ({tols['tangent']:.0e}) in one loss on the first "
         f"batch at math's final weights. Step time: median after {a.warmup} warm-up steps.",
         f"Command: `{command}`",
     ]
@@ -360,16 +332,3 @@ def ablate(cfg: DictConfig, run_dir: str, command: str = "python -m flm.ablate")
         json.dump({"title": title, "command": command, "tolerances": tols, "results": numbers}, f, indent=1)
     dist.info0(f"ablation: {os.path.join(run_dir, 'ablation.md')} and ablation.png")
     return results
-
-
-@hydra.main(config_path="../configs", config_name="ablate", version_base="1.3")
-def main(cfg: DictConfig) -> None:
-    hydra_cfg = HydraConfig.get()
-    run_dir = hydra_cfg.runtime.output_dir
-    command = " ".join(["python -m flm.ablate", *hydra_cfg.overrides.task])
-    with report_user_errors(run_dir):
-        ablate(cfg, run_dir, command)
-
-
-if __name__ == "__main__":
-    main()

@@ -18,6 +18,7 @@ from importlib import resources
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from flm.typed import check_fields
 
@@ -104,6 +105,21 @@ class ImageFiles(torch.utils.data.Dataset):
         return torch.stack([x for x, _ in items]), torch.tensor([y for _, y in items])
 
 
+class Resized(torch.utils.data.Dataset):
+    """A dataset's images resized (bilinear, antialiased) to side x side."""
+
+    def __init__(self, dataset, side: int):
+        self.dataset, self.resolution = dataset, side
+        self.channels, self.num_classes = dataset.channels, dataset.num_classes
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitems__(self, indices):
+        x, y = self.dataset.__getitems__(indices)
+        return F.interpolate(x, size=(self.resolution, self.resolution), mode="bilinear", antialias=True), y
+
+
 def check_images(paths: list[str], root: str) -> None:
     """Refuse at startup, not mid-training, a folder with files that PIL cannot identify. Only the headers
     are read (fast on large folders); a file broken further in fails when read, naming itself."""
@@ -168,14 +184,16 @@ def _torchvision(name: str, root: str, download: bool, split: str = "train") -> 
 def build_dataset(name: str, *, root: str = "data", download: bool = True, resolution: int | None = None,
                   channels: int = 3, split: str = "train"):
     """One of DATASETS. `root` holds torchvision's layout (or the class folders for imagefolder);
-    `resolution` and `channels` apply to imagefolder only. `split`: train or test for the torchvision
-    datasets (mnist_shipped is MNIST's test split, imagefolder has one split: all its images)."""
+    `resolution`: imagefolder's images are resized and centre-cropped to it as they are read, the other
+    datasets' resized to it (None: their own size); `channels` applies to imagefolder only. `split`:
+    train or test for the torchvision datasets (mnist_shipped is MNIST's test split, imagefolder has one
+    split: all its images)."""
     if name not in DATASETS:
         raise ValueError(f"unknown dataset {name!r}; valid names: {', '.join(DATASETS)}")
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; valid splits: {', '.join(SPLITS)}")
     if name == "mnist_shipped":
-        return shipped_mnist()
+        return resized(shipped_mnist(), resolution)
     if not os.path.isdir(root):
         raise FileNotFoundError(
             f"dataset folder {root!r} does not exist (absolute: {os.path.abspath(root)!r}); create it and "
@@ -185,7 +203,14 @@ def build_dataset(name: str, *, root: str = "data", download: bool = True, resol
         if resolution is None or resolution <= 0:
             raise ValueError(f"data.resolution must be a positive integer for imagefolder, got {resolution}")
         return ImageFiles(root, resolution, channels)
-    return _torchvision(name, root, download, split)
+    return resized(_torchvision(name, root, download, split), resolution)
+
+
+def resized(dataset, resolution: int | None):
+    """`dataset` at `resolution` (None or its own: as it is)."""
+    if resolution is not None and resolution <= 0:
+        raise ValueError(f"data.resolution must be a positive integer (or null: the dataset's own), got {resolution}")
+    return dataset if resolution in (None, dataset.resolution) else Resized(dataset, resolution)
 
 
 @dataclass
@@ -195,7 +220,7 @@ class DataConfig:
     name: str = "mnist_shipped"
     root: str = "data"  # torchvision's layout under it, or class folders for imagefolder
     download: bool = True  # torchvision datasets only; a clear error says where to put the files offline
-    resolution: int | None = None  # imagefolder: resize and centre-crop to this size
+    resolution: int | None = None  # image side; null: the dataset's own (imagefolder: resize and centre-crop to it)
     channels: int = 3  # imagefolder: 1 (grey) or 3 (RGB)
     hflip: bool = False  # random horizontal flips (not for digits)
     num_workers: int = 0  # DataLoader worker processes; 0 reads in the training process
@@ -219,7 +244,7 @@ class DataConfig:
 # ----------------------------------------------------------------------------------------------
 
 
-def _seed(*parts: int) -> int:
+def mix_seed(*parts: int) -> int:
     """A 63-bit seed mixed from integers (numpy's SeedSequence: no correlation between neighbours)."""
     return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(2, np.uint64)[0] >> 1)
 
@@ -259,8 +284,7 @@ class Loader:
         return {"epoch": self.epoch, "images": self.batch * self.global_batch}
 
     def load_state_dict(self, state: dict) -> None:
-        # older checkpoints counted batches
-        images = int(state["images"]) if "images" in state else int(state["batch"]) * self.global_batch
+        images = int(state["images"])
         if images % self.global_batch:
             raise ValueError(
                 f"the saved data position ({images} images into epoch {state['epoch']}) is not a whole number of "
@@ -269,7 +293,7 @@ class Loader:
         self.epoch, self.batch, self._it = int(state["epoch"]), images // self.global_batch, None
 
     def _epoch_plan(self, epoch: int):
-        g = torch.Generator().manual_seed(_seed(self.seed, epoch))
+        g = torch.Generator().manual_seed(mix_seed(self.seed, epoch))
         perm = torch.randperm(len(self.dataset), generator=g)
         flips = torch.rand(len(self.dataset), generator=g) < 0.5
         return perm, flips

@@ -72,12 +72,6 @@ def barrier() -> None:
         dist.barrier()
 
 
-def print0(*args, **kwargs) -> None:
-    """print() on rank 0 only."""
-    if is_main():
-        print(*args, **kwargs, flush=True)
-
-
 def info0(msg: str) -> None:
     """logging.info on rank 0 only (Hydra sends it to the console and the run's train.log)."""
     if is_main():

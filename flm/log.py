@@ -94,7 +94,7 @@ class RunLogger:
         path = os.path.join(run_dir, "metrics.jsonl")
         if resumed_at is not None:
             drop_after(path, resumed_at)
-        self.file = open(path, "a")
+        self.file = open(path, "a")  # noqa: SIM115 (open for the whole run; close() closes it)
         if config.wandb:
             self.wandb = wandb.init(project=config.project, name=config.name, mode=config.mode,
                                     dir=run_dir, config=run_config, resume="allow")

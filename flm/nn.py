@@ -2,7 +2,7 @@
 
 A consistency step takes a forward-mode JVP through the network (dual tensors or torch.func.jvp)
 and never differentiates through the tangent. With plain PyTorch ops that costs ~2.7x the memory
-of a flow-matching step (DESIGN.md): every activation autograd saves keeps its tangent alive, and
+of a flow-matching step (measured on DiT-B/2; docs/train_step.md): every activation autograd saves keeps its tangent alive, and
 tangent ops that touch weights requiring grad record a graph. Each layer here is an
 autograd.Function (setup_context style, so forward-AD duals and torch.func.jvp both work) that
 

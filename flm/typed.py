@@ -9,7 +9,8 @@ from collections.abc import Sequence
 
 def check_fields(obj, section: str) -> None:
     """Check every field of the dataclass `obj` against its annotation (int, float, bool, str, X | None,
-    list[X], tuple[X, ...]); keys are named `section.field` (`field` when section is ""); ints become floats where a float is due, lists become the annotated kind."""
+    list[X], tuple[X, ...]); keys are named `section.field` (`field` when section is ""); ints become
+    floats where a float is due, lists become the annotated kind."""
     hints = typing.get_type_hints(type(obj))
     for f in dataclasses.fields(obj):
         key = f"{section}.{f.name}" if section else f.name

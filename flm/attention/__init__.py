@@ -4,14 +4,16 @@
     o, to = jvp_attention(q, k, v, tq, tk, tv)              # the fused JVP directly
 
 Backends (one module each): math (eager reference), sdpa (PyTorch SDPA), flash (FlashAttention),
-triton_jvp (fused Triton JVP forward + FlashAttention backward). Dual tensors are dispatched here:
-triton_jvp computes (o, to) in one fused pass; math and sdpa let PyTorch's forward AD run eagerly.
+triton_jvp (fused Triton JVP forward + FlashAttention backward). Each exposes the same functions:
+`attention(q, k, v, *, causal, scale)` on plain tensors, `attention_jvp(...)` on inputs that carry
+tangents (forward-AD duals, or inside torch.func.jvp; triton_jvp computes (o, to) in one fused pass,
+math and sdpa let PyTorch's forward AD run eagerly, flash says it has no forward-mode rule), and
+`check_available(device, dtype, head_dim)`, which raises when it cannot run such inputs.
 """
 
 import math as _math
 
 import torch
-from torch.autograd import forward_ad
 
 from flm.attention.inputs import check_qkv, check_tangents, under_functorch, unpack_duals
 
@@ -22,7 +24,7 @@ BACKENDS = tuple(_MODULES)
 
 
 def get_attention(name: str):
-    """The backend module `name`; it exposes attention(q, k, v, *, causal, scale) and check_available(q)."""
+    """The backend module `name` (attention, attention_jvp, check_available)."""
     if name not in _MODULES:
         raise ValueError(f"unknown attention backend {name!r}; valid names: {', '.join(('auto',) + BACKENDS)}")
     return _MODULES[name]
@@ -48,21 +50,10 @@ def attention(q, k, v, *, backend: str = "auto", causal: bool = False, scale: fl
     (q_, k_, v_), tangents = unpack_duals(q, k, v)
     check_qkv(q_, k_, v_, causal=causal)
     needs_jvp = tangents is not None or under_functorch(q_)
-    name = resolve_backend(backend, q_, needs_jvp=needs_jvp)
-    module = get_attention(name)
-    module.check_available(q_)
-    scale = _default_scale(q_, scale)
-    if tangents is None:
-        return module.attention(q, k, v, causal=causal, scale=scale)
-    if name == "triton_jvp":
-        o, to = module.jvp_attention(q_, k_, v_, *tangents, causal=causal, scale=scale)
-        return forward_ad.make_dual(o, to)
-    if name == "flash":
-        raise ValueError(
-            "attention backend 'flash' has no forward-mode (JVP) rule; use backend='triton_jvp' "
-            "(fused JVP) or 'math' for objectives that take a JVP"
-        )
-    return module.attention(q, k, v, causal=causal, scale=scale)  # eager forward AD
+    module = get_attention(resolve_backend(backend, q_, needs_jvp=needs_jvp))
+    module.check_available(q_.device, q_.dtype, q_.shape[-1])
+    run = module.attention_jvp if needs_jvp else module.attention
+    return run(q, k, v, causal=causal, scale=_default_scale(q_, scale))
 
 
 def jvp_attention(q, k, v, tq, tk, tv, *, causal: bool = False, scale: float | None = None):
@@ -74,7 +65,7 @@ def jvp_attention(q, k, v, tq, tk, tv, *, causal: bool = False, scale: float | N
     check_qkv(q, k, v, causal=causal)
     check_tangents((q, k, v), (tq, tk, tv))
     module = get_attention("triton_jvp")
-    module.check_available(q)
+    module.check_available(q.device, q.dtype, q.shape[-1])
     return module.jvp_attention(q, k, v, tq, tk, tv, causal=causal, scale=_default_scale(q, scale))
 
 

@@ -1,6 +1,7 @@
 """FlashAttention: the flash_attn package when importable, else PyTorch's built-in FlashAttention-2.
 
-CUDA only, fp16/bf16 only, head dim <= 256; no forward-mode rule (use triton_jvp for JVPs).
+CUDA only, fp16/bf16 only, head dims that are multiples of 8 up to 256 (`unsupported`: the rules, also
+read by triton_jvp's backward); no forward-mode rule (use triton_jvp for JVPs).
 """
 
 import functools
@@ -29,19 +30,26 @@ def attention(q, k, v, *, causal: bool, scale: float) -> torch.Tensor:
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
 
 
-def check_available(q: torch.Tensor) -> None:
-    if not q.is_cuda:
-        raise ValueError(
-            f"attention backend 'flash' needs a CUDA GPU, but the inputs are on {q.device}; "
-            "use backend='sdpa' or 'math' on this machine"
-        )
-    if q.dtype not in (torch.float16, torch.bfloat16):
-        raise ValueError(
-            f"attention backend 'flash' needs fp16 or bf16 inputs, got {q.dtype}; cast the inputs "
-            "(or run under torch.autocast) or use backend='sdpa'"
-        )
-    if q.shape[-1] > 256 or q.shape[-1] % 8:
-        raise ValueError(
-            f"attention backend 'flash' needs a head dim that is a multiple of 8 and at most 256, "
-            f"got {q.shape[-1]}; use backend='sdpa'"
-        )
+def attention_jvp(q, k, v, *, causal: bool, scale: float) -> torch.Tensor:
+    raise ValueError(
+        "attention backend 'flash' has no forward-mode (JVP) rule; use backend='triton_jvp' "
+        "(fused JVP) or 'math' for objectives that take a JVP"
+    )
+
+
+def unsupported(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+    """Why FlashAttention-2 cannot take such inputs (with the fix), or None when it can."""
+    if device.type != "cuda":
+        return f"needs a CUDA GPU, but the inputs are on {device}; use backend='sdpa' or 'math' on this machine"
+    if dtype not in (torch.float16, torch.bfloat16):
+        return (f"needs fp16 or bf16 inputs, got {dtype}; cast the inputs (or run under torch.autocast) "
+                "or use backend='sdpa'")
+    if head_dim > 256 or head_dim % 8:
+        return f"needs a head dim that is a multiple of 8 and at most 256, got {head_dim}; use backend='sdpa'"
+    return None
+
+
+def check_available(device: torch.device, dtype: torch.dtype, head_dim: int) -> None:
+    problem = unsupported(device, dtype, head_dim)
+    if problem:
+        raise ValueError(f"attention backend 'flash' {problem}")

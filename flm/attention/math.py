@@ -14,5 +14,9 @@ def attention(q, k, v, *, causal: bool, scale: float) -> torch.Tensor:
     return torch.matmul(p_BHQK, v)
 
 
-def check_available(q: torch.Tensor) -> None:
+# plain PyTorch ops: forward AD and torch.func.jvp differentiate them as they are
+attention_jvp = attention
+
+
+def check_available(device: torch.device, dtype: torch.dtype, head_dim: int) -> None:
     """The math backend runs on every device and dtype."""

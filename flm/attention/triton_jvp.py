@@ -18,17 +18,16 @@ import warnings
 
 import torch
 from torch import Tensor
+from torch.autograd import forward_ad
 
+from flm.attention.flash import unsupported as fa2_unsupported
+from flm.attention.inputs import unpack_duals
 from flm.kernels.attention_bwd import attention_bwd as triton_bwd
 from flm.kernels.attention_fwd import attention_fwd, check_head_dim, interpreted
 
 # ---------------------------------------------------------------------------------------------
 # Backward implementations: (do, q, k, v, o, lse, causal, scale) -> (dq, dk, dv)
 # ---------------------------------------------------------------------------------------------
-
-
-def _fa2_shapes_ok(q: Tensor) -> bool:
-    return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256
 
 
 @functools.cache
@@ -71,7 +70,7 @@ BACKWARDS = {"flash_attn": flash_attn_bwd, "torch_fa2": torch_fa2_bwd, "triton":
 
 def backward_impl(q: Tensor) -> str:
     """Which backward runs for inputs like q: 'flash_attn', 'torch_fa2' or 'triton'."""
-    if _fa2_shapes_ok(q):
+    if fa2_unsupported(q.device, q.dtype, q.shape[-1]) is None:
         return "flash_attn" if _flash_attn_backward() is not None else "torch_fa2"
     return "triton"
 
@@ -133,7 +132,8 @@ def _(do, q, k, v, o, lse, causal, scale):
 
 @functools.cache
 def _warn_flash_attn_signature(err: Exception) -> None:
-    warnings.warn(f"flash_attn's backward did not accept flm's call ({err}); using PyTorch's FlashAttention-2 backward")
+    warnings.warn(f"flash_attn's backward did not accept flm's call ({err}); using PyTorch's FlashAttention-2 backward",
+                  stacklevel=2)
 
 
 def _op(op, impl):
@@ -148,6 +148,12 @@ def _op(op, impl):
 
 def _zeros_if_none(tangent, like):
     return torch.zeros_like(like) if tangent is None else tangent
+
+
+def _backward(ctx, do):
+    """(dq, dk, dv) from what setup_context saved: FlashAttention's backward for both Functions."""
+    q, k, v, o, lse = ctx.saved_tensors
+    return _op(_bwd_op, _bwd_impl)(do.contiguous(), q, k, v, o, lse, ctx.causal, ctx.scale)
 
 
 class _Attention(torch.autograd.Function):
@@ -167,9 +173,7 @@ class _Attention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, _dlse):
-        q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = _op(_bwd_op, _bwd_impl)(do.contiguous(), q, k, v, o, lse, ctx.causal, ctx.scale)
-        return dq, dk, dv, None, None
+        return *_backward(ctx, do), None, None
 
 
 class _AttentionWithJVP(_Attention):
@@ -209,9 +213,7 @@ class _JVPAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, _dto, _dlse):
-        q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = _op(_bwd_op, _bwd_impl)(do.contiguous(), q, k, v, o, lse, ctx.causal, ctx.scale)
-        return dq, dk, dv, None, None, None, None, None
+        return *_backward(ctx, do), None, None, None, None, None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -230,16 +232,26 @@ def jvp_attention(q, k, v, tq, tk, tv, *, causal: bool, scale: float) -> tuple[T
     return o, to
 
 
-def check_available(q: Tensor) -> None:
-    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+def attention_jvp(q, k, v, *, causal: bool, scale: float) -> Tensor:
+    """Inputs with tangents: dual tensors take the fused launch; under torch.func.jvp the tangents are
+    not visible here, and the Function's jvp rule runs the fused kernel."""
+    (q_, k_, v_), tangents = unpack_duals(q, k, v)
+    if tangents is None:
+        return attention(q, k, v, causal=causal, scale=scale)
+    o, to = jvp_attention(q_, k_, v_, *tangents, causal=causal, scale=scale)
+    return forward_ad.make_dual(o, to)
+
+
+def check_available(device: torch.device, dtype: torch.dtype, head_dim: int) -> None:
+    if dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(
-            f"attention backend 'triton_jvp' takes fp16, bf16 or fp32 inputs, got {q.dtype}; "
+            f"attention backend 'triton_jvp' takes fp16, bf16 or fp32 inputs, got {dtype}; "
             "cast the inputs or use backend='math'"
         )
-    if not q.is_cuda and not interpreted():
+    if device.type != "cuda" and not interpreted():
         raise ValueError(
-            f"attention backend 'triton_jvp' needs a CUDA GPU, but the inputs are on {q.device}; "
+            f"attention backend 'triton_jvp' needs a CUDA GPU, but the inputs are on {device}; "
             "use backend='math' here (or set TRITON_INTERPRET=1 to run the kernels in Triton's "
             "CPU interpreter, slowly, for tests)"
         )
-    check_head_dim(q.shape[-1])
+    check_head_dim(head_dim)

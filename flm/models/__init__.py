@@ -1,10 +1,20 @@
 """Models by name.
 
-    from flm.models import build_model, MODEL_SIZES
+    from flm.models import build_model, MODEL_SIZES, ModelConfig
     model = build_model("DiT-B/2", input_size=32, in_channels=4, num_classes=1000, time_inputs=2)
+    model = ModelConfig(name="DiT-B/2", attention="triton_jvp").build(input_size=32, in_channels=4, num_classes=1000)
 """
 
+import dataclasses
+
+import torch
+
+from flm.attention import BACKENDS, get_attention
 from flm.models.dit import MODEL_SIZES, DiT
+from flm.typed import check_fields
+
+# build_model options that do not change the weights: a resume, sample.py or evaluate.py may choose anew
+RUNTIME_OPTIONS = ("attention",)
 
 
 def build_model(
@@ -24,8 +34,7 @@ def build_model(
     time_inputs: 1 (t) or 2 (t, r: MeanFlow); time_scale: the time embedding's sinusoids are of
     time_scale * t (1: the objective's units; DiT's diffusion code used 1000); attention: a flm.attention backend name or "auto".
     """
-    if name not in MODEL_SIZES:
-        raise ValueError(f"unknown model size {name!r}; valid names: {', '.join(MODEL_SIZES)}")
+    check_name(name)
     depth, hidden, heads, patch = MODEL_SIZES[name]
     return DiT(
         input_size=input_size,
@@ -41,4 +50,37 @@ def build_model(
     )
 
 
-__all__ = ["DiT", "MODEL_SIZES", "build_model"]
+def check_name(name: str) -> None:
+    if name not in MODEL_SIZES:
+        raise ValueError(f"unknown model size {name!r}; valid names: {', '.join(MODEL_SIZES)}")
+
+
+@dataclasses.dataclass
+class ModelConfig:
+    """What `model=` and `attention=` select: the size, the time embedding's scale and the attention
+    backend of every block. The data (size, channels, classes) and the objective (time inputs) give
+    the rest when the model is built."""
+
+    name: str = "DiT-Ti/7"
+    time_scale: float = 1.0
+    attention: str = "auto"  # a flm.attention backend, or auto (the fastest that runs here)
+
+    def __post_init__(self):
+        check_fields(self, "model")
+        check_name(self.name)
+        if self.attention != "auto":
+            get_attention(self.attention)  # an unknown name lists the valid ones
+
+    def args(self, *, input_size: int, in_channels: int, num_classes: int, time_inputs: int) -> dict:
+        """build_model's keywords (what a checkpoint records as model_args)."""
+        return dict(dataclasses.asdict(self), input_size=input_size, in_channels=in_channels,
+                    num_classes=num_classes, time_inputs=time_inputs)
+
+    def check_runs(self, device: torch.device, dtype: torch.dtype | None) -> None:
+        """Fail before training when the attention backend cannot run on this device."""
+        if self.attention != "auto":
+            _, hidden, heads, _ = MODEL_SIZES[self.name]
+            get_attention(self.attention).check_available(device, dtype or torch.float32, hidden // heads)
+
+
+__all__ = ["BACKENDS", "DiT", "MODEL_SIZES", "ModelConfig", "RUNTIME_OPTIONS", "build_model"]

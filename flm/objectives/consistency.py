@@ -40,6 +40,7 @@ from flm.objectives.jvp import check_jvp_mode, jvp
 from flm.objectives.paths import (
     TrigFlowPath, bcast, check_probability, check_std, lognormal_trigflow, randn_per_image,
 )
+from flm.objectives.protocol import NO_NETWORKS
 
 
 class LogVar(nn.Module):
@@ -77,6 +78,8 @@ class SCM(nn.Module):
     """
 
     time_inputs = 1
+    sample_steps = 2
+    networks = NO_NETWORKS
 
     def __init__(
         self,

@@ -14,6 +14,7 @@ from torch import nn
 
 from flm.objectives.guidance import check_cfg, drop_labels, guided
 from flm.objectives.paths import LinearPath, check_probability, check_std, logit_normal, time_grid
+from flm.objectives.protocol import NO_NETWORKS
 
 SAMPLERS = ("euler", "heun")
 
@@ -31,6 +32,8 @@ class FlowMatching(nn.Module):
     """
 
     time_inputs = 1
+    sample_steps = 50
+    networks = NO_NETWORKS
 
     def __init__(self, *, t_mean: float = 0.0, t_std: float = 1.0, label_dropout: float = 0.1, sampler: str = "euler"):
         super().__init__()

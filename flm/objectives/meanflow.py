@@ -31,6 +31,7 @@ from torch import nn
 from flm.objectives.guidance import check_cfg, drop_labels, guided, null_labels, num_classes
 from flm.objectives.jvp import check_jvp_mode, jvp
 from flm.objectives.paths import LinearPath, bcast, check_probability, check_std, logit_normal, time_grid
+from flm.objectives.protocol import NO_NETWORKS
 
 
 TANGENTS = ("sample", "model")
@@ -53,6 +54,8 @@ class MeanFlow(nn.Module):
     """
 
     time_inputs = 2
+    sample_steps = 2  # 1 is the one-step sampler; 2 is visibly cleaner on small models
+    networks = NO_NETWORKS
 
     def __init__(
         self,

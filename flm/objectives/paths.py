@@ -9,7 +9,6 @@ derivative dx_t (the conditional velocity, e.g. the flow-matching target).
   t in [0, pi/2]; dx_t = cos(t) z - sin(t) x0.
 """
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -85,5 +84,3 @@ def time_grid(steps: int, start: float, end: float, *, device=None) -> torch.Ten
         raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
     return torch.linspace(start, end, steps + 1, device=device)
 
-
-HALF_PI = math.pi / 2

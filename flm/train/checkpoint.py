@@ -1,8 +1,8 @@
 """One-file checkpoint bundles in RUN_DIR/checkpoints/, written atomically, the last K kept.
 
-A bundle is a dict: model, ema ({decay: state}), optimizer, scheduler, objective, step, rng, data
-(loader position), nonfinite (skipped-step counters), model_args (what build_model was called with)
-and config (the resolved Hydra config of the run, as plain containers).
+A bundle is a dict of the parts flm.train.state.TrainState.parts() names (model, ema, optimizer,
+scheduler, objective, data, rng, step, nonfinite, log_window, model_args: what build_model was called
+with, config: the resolved Hydra config of the run as plain containers), plus its format number.
 
 Model, EMA and optimizer state hold whole tensors on the CPU, gathered from FSDP2's shards where the
 run was sharded (model_state, optimizer_state), so one bundle resumes under one process, DDP or FSDP2,
@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from flm.files import write_atomically
+from flm.models import RUNTIME_OPTIONS
 
 FORMAT = 1
 _NAME = re.compile(r"ckpt-(\d+)\.pt$")
@@ -58,6 +59,27 @@ def find_checkpoint(path: str) -> str:
             f"pass the folder of a run that has saved one, or a checkpoint file"
         )
     return found[-1]
+
+
+def resolve_resume(resume: str | None, run_dir: str) -> str | None:
+    """The checkpoint to continue from, or None for a new run; clear errors for every bad case."""
+    if resume in (None, "", "null", "none", False):
+        existing = list_checkpoints(run_dir)
+        if existing:
+            raise ValueError(
+                f"run folder {run_dir!r} already has checkpoints (latest {os.path.basename(existing[-1])}); "
+                f"pass trainer.resume=auto to continue it, or choose another run_dir"
+            )
+        return None
+    if resume == "auto":
+        found = list_checkpoints(run_dir)
+        if not found:
+            raise FileNotFoundError(
+                f"trainer.resume=auto but run folder {run_dir!r} has no checkpoint; pass run_dir=<folder of the "
+                f"run to continue> (or trainer.resume=<checkpoint file>), or drop trainer.resume to start anew"
+            )
+        return found[-1]
+    return find_checkpoint(str(resume))
 
 
 def remove_temporary(run_dir: str) -> None:
@@ -109,13 +131,33 @@ def load(path: str) -> dict:
 def check_model_args(path: str, saved: dict, current: dict) -> None:
     """Raise a clear error when the checkpoint was written for another model than the one built now."""
     diff = {k: (saved.get(k), current.get(k)) for k in sorted(set(saved) | set(current))
-            if k != "attention" and saved.get(k) != current.get(k)}
+            if k not in RUNTIME_OPTIONS and saved.get(k) != current.get(k)}
     if diff:
         detail = ", ".join(f"{k}: checkpoint {a!r} vs now {b!r}" for k, (a, b) in diff.items())
         raise ValueError(
             f"checkpoint {path!r} is for another model ({detail}); pass the model/data options the run "
             f"was trained with (e.g. model={saved.get('name')}) or start a new run folder"
         )
+
+
+def check_objective(path: str, saved: dict, config: dict) -> None:
+    """Refuse a resume with another objective than the run's (flow matching resumed as sCM, say)."""
+    was, now = (saved or {}).get("objective", {}).get("name"), (config or {}).get("objective", {}).get("name")
+    if was is not None and now is not None and was != now:
+        raise ValueError(_another_objective(path, f"objective {was!r} vs {now!r}", was))
+
+
+def load_objective(path: str, state: dict, objective) -> None:
+    """The checkpoint's objective state into `objective`; state keys of another objective in one line."""
+    try:
+        objective.load_state_dict(state)
+    except RuntimeError as e:
+        raise ValueError(_another_objective(path, str(e).splitlines()[0], None)) from None
+
+
+def _another_objective(path: str, detail: str, was: str | None) -> str:
+    return (f"checkpoint {path!r} was trained with another objective ({detail}); resume with "
+            f"objective={was or 'the one it was trained with'}, or start a new run folder")
 
 
 # ----------------------------------------------------------------------------------------------

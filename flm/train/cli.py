@@ -89,7 +89,8 @@ def remove_what_the_run_wrote(run_dir: str) -> None:
 @contextlib.contextmanager
 def report_user_errors(run_dir: str | None = None, *, job: str | None = None):
     """Print `error: <message>` and exit 1 on a user error (HYDRA_FULL_ERROR=1: the traceback instead);
-    undo what Hydra wrote into `run_dir` when the run wrote nothing there yet (remove_what_the_run_wrote). Closes the process group either way.
+    undo what Hydra wrote into `run_dir` when the run wrote nothing there yet (remove_what_the_run_wrote).
+    Closes the process group either way.
 
     job: the job's name in a multirun; its error is printed and kept in FAILED_JOBS instead of exiting,
     so the other jobs still run (the entry point exits 1 at the end: exit_if_jobs_failed).

@@ -2,7 +2,7 @@
 found in a stored config (a checkpoint's, a shared YAML file's).
 
     objective = objective_from_config(bundle["config"]["objective"], where=path)   # sample.py
-    trainer = build_group(cfg, "trainer")                                           # train.py, flm.ablate
+    trainer = build_group(cfg, "trainer")                                           # train.py, ablate.py
 
 A checkpoint's config is rebuilt through flm.objectives.build_objective (its `_target_`, if any, must
 be that one, and every other value a number, string, bool, null or a list of them). A composed

@@ -130,12 +130,13 @@ class InTraining:
     """`trainer.eval_every`: the EMA weights' sample quality every N steps and at the end, logged with the
     run's metrics (metrics.jsonl, console, wandb). Off (calls do nothing) when eval_every is 0."""
 
-    def __init__(self, trainer, data: DataConfig, *, shape, num_classes: int, device, amp_dtype, batch_size: int):
+    def __init__(self, trainer, data: DataConfig, *, shape, num_classes: int, device, amp_dtype, batch_size: int,
+                 sample_steps: int):
         self.every, self.last = trainer.eval_every, trainer.max_steps
         self.evaluator = None
         if self.every:
             self.evaluator = Evaluator(data=data, shape=shape, num_classes=num_classes, n=trainer.eval_n,
-                                       steps=trainer.eval_steps or [trainer.sample_steps], cfg_scale=trainer.sample_cfg_scale,
+                                       steps=trainer.eval_steps or [sample_steps], cfg_scale=trainer.sample_cfg_scale,
                                        batch_size=batch_size, device=device, amp_dtype=amp_dtype,
                                        inception=trainer.eval_inception, cache=trainer.eval_cache)
 

@@ -8,11 +8,13 @@ and its objective (the sampler). Nothing in a checkpoint names a callable that g
 import torch
 
 from flm.models import build_model
+from flm.objectives import Objective
 from flm.train.config import objective_from_config, plain
 from flm.train.ema import ema_key
+from flm.typed import typed
 
 
-def build_objective_from(bundle: dict, source: str = "the checkpoint"):
+def build_objective_from(bundle: dict, source: str = "the checkpoint") -> Objective:
     """The run's objective from the registry (flm.train.config: names and plain values only), with its saved state."""
     objective = objective_from_config((bundle.get("config") or {}).get("objective"), where=source)
     if bundle.get("objective"):
@@ -32,10 +34,17 @@ def generator_state(bundle: dict, weights: str = "ema", ema_decay: float | None 
     return bundle["ema"][key]
 
 
-def load_generator(bundle: dict, *, weights: str = "ema", ema_decay: float | None = None, device="cpu",
-                   source: str = "the checkpoint") -> tuple[torch.nn.Module, torch.nn.Module]:
-    """(model, objective) on `device`, the model in eval mode; any attention backend (no JVP when sampling)."""
+def sampler_steps(bundle: dict, objective: Objective, source: str) -> int:
+    """The run's grid sampler steps: its trainer.sample_steps when set, else the objective's own."""
+    steps = ((bundle.get("config") or {}).get("trainer") or {}).get("sample_steps")
+    return objective.sample_steps if steps is None else typed(steps, int, f"{source}: trainer.sample_steps")
+
+
+def load_generator(bundle: dict, *, weights: str = "ema", ema_decay: float | None = None, attention: str = "auto",
+                   device="cpu", source: str = "the checkpoint") -> tuple[torch.nn.Module, Objective]:
+    """(model, objective) on `device`, the model in eval mode with the `attention` backend (sampling
+    takes no JVP, and the run's training backend need not run on this machine)."""
     objective = build_objective_from(bundle, source).to(device)
-    model = build_model(**{**plain(bundle["model_args"], f"{source}: model_args"), "attention": "auto"})
+    model = build_model(**{**plain(bundle["model_args"], f"{source}: model_args"), "attention": attention})
     model.load_state_dict(generator_state(bundle, weights, ema_decay))
     return model.to(device).eval(), objective

@@ -4,8 +4,12 @@ import math
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 from torch.distributed.tensor.experimental import implicit_replication
 
+from flm import dist
+from flm.train import checkpoint
+from flm.train.parallel import clip_grad_norm_
 from flm.typed import check_fields
 
 
@@ -66,3 +70,54 @@ def optimizer_step(opt: torch.optim.Optimizer, sched, skip: torch.Tensor) -> Non
     with implicit_replication():  # plain parameters (an objective's) next to FSDP2's DTensors in one fused call
         opt.step()
     sched.step()
+
+
+class Optimizer:
+    """AdamW and its warm-up schedule over the trainable parameters of `modules`, whose names key the
+    checkpoint's optimizer state (flm.train.checkpoint.optimizer_state).
+
+    replicated: the parameters outside any DDP / FSDP2 wrapper (an objective's own), whose gradients
+    are averaged over the ranks here so that every rank steps alike. state_dict() gathers whole
+    tensors and must be called on every rank; `schedule` is the scheduler's checkpoint part.
+    """
+
+    def __init__(self, modules: nn.ModuleDict, cfg: OptimConfig, replicated=()):
+        self.modules, self.cfg, self.replicated = modules, cfg, list(replicated)
+        self.params = [p for p in modules.parameters() if p.requires_grad]
+        self.opt, self.sched = build_optimizer(self.params, cfg)
+        self.schedule = Schedule(self)
+
+    def clip(self) -> torch.Tensor:
+        """Average the replicated gradients, clip all to optim.grad_clip; the total norm before clipping."""
+        for p in self.replicated:
+            if p.grad is not None:
+                p.grad = dist.all_mean(p.grad)
+        return clip_grad_norm_(self.params, self.cfg.grad_clip if self.cfg.grad_clip > 0 else math.inf)
+
+    def step(self, skip: torch.Tensor) -> None:
+        optimizer_step(self.opt, self.sched, skip)
+        self.opt.zero_grad(set_to_none=True)
+
+    @property
+    def lr(self) -> float:
+        return self.sched.get_last_lr()[0]
+
+    def state_dict(self) -> dict:
+        return checkpoint.optimizer_state(self.modules, self.opt)
+
+    def load_state_dict(self, state: dict) -> None:
+        checkpoint.load_optimizer_state(self.modules, self.opt, state)
+
+
+class Schedule:
+    """The learning-rate schedule's checkpoint part: resumed at its position with this run's optim.*."""
+
+    def __init__(self, optimizer: Optimizer):
+        self.optimizer = optimizer
+
+    def state_dict(self) -> dict:
+        return self.optimizer.sched.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        o = self.optimizer
+        load_schedule(o.opt, o.sched, state, o.cfg)

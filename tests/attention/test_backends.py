@@ -61,7 +61,7 @@ def test_flash_says_it_needs_cuda_when_chosen():
 
 
 def test_flash_refuses_dual_tensors_with_a_pointer_to_triton_jvp(monkeypatch):
-    monkeypatch.setattr(fa.flash, "check_available", lambda q: None)  # pretend we are on a GPU
+    monkeypatch.setattr(fa.flash, "check_available", lambda *args: None)  # pretend we are on a GPU
     q, k, v = _qkv()
     with forward_ad.dual_level():
         dq = forward_ad.make_dual(q, torch.ones_like(q))

@@ -116,7 +116,7 @@ def test_dual_jvp_through_triton_matches_func_jvp_over_math():
 @pytest.mark.parametrize("backend,graph_free", [("triton_jvp", True), ("math", False)])
 def test_dual_pass_saves_no_tangents(backend, graph_free):
     """No tensor saved for the backward carries a tangent, so the dual pass costs what a plain pass
-    costs (DESIGN.md); math attention does save some, which shows the check can fail."""
+    costs; math attention does save some, which shows the check can fail."""
     model = tiny_dit(attention=backend, size="DiT-T/4")
     x, tx, t, _, y = _inputs()
     saved_with_tangent = []

@@ -38,7 +38,7 @@ def test_exact_map_of_the_mixture_lands_on_the_mixture(velocity):
     data = gmm.sample(800, generator=g)
     floor = energy_distance(gmm.sample(800, generator=g), data)
     assert energy_distance(x0, data) < 3 * floor + 2e-3
-    assert energy_distance(n, data) > 100 * floor  # the test can tell noise from data
+    assert energy_distance(n, data) > 20 * floor  # the test can tell noise from data
 
 
 @pytest.fixture

@@ -5,7 +5,6 @@ velocity, average velocity and consistency function are known. `offset` moves a 
 exact solution (and gives it a parameter to differentiate).
 """
 
-import math
 
 import torch
 from torch import nn
@@ -81,5 +80,3 @@ class LabelVelocity(nn.Module):
         value = torch.where(y == self.num_classes, torch.zeros_like(y), y + 1).float()
         return torch.ones_like(x) * _b(value, x)
 
-
-HALF_PI = math.pi / 2

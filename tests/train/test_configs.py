@@ -8,7 +8,7 @@ from hydra.utils import instantiate
 from flm.attention import BACKENDS, get_attention
 from flm.data import DataConfig
 from flm.log import LoggerConfig
-from flm.models import MODEL_SIZES
+from flm.models import MODEL_SIZES, ModelConfig, build_model
 from flm.train import OptimConfig, TrainerConfig
 
 from .conftest import ROOT
@@ -30,10 +30,11 @@ def test_every_group_has_options():
 @pytest.mark.parametrize("name", options("model"))
 def test_model_options(cfg_of, name):
     cfg = cfg_of("train", [f"model={name}"])
-    fn = instantiate(cfg.model)
-    assert fn.keywords["name"] == name and name in MODEL_SIZES
+    model_cfg = instantiate(cfg.model)
+    assert isinstance(model_cfg, ModelConfig) and model_cfg.name == name and name in MODEL_SIZES
     if name.startswith("DiT-T"):  # build the tiny ones; the others only name a registered size
-        model = fn(input_size=28 if name == "DiT-Ti/7" else 8, in_channels=1, num_classes=10, time_inputs=2)
+        args = model_cfg.args(input_size=28 if name == "DiT-Ti/7" else 8, in_channels=1, num_classes=10, time_inputs=2)
+        model = build_model(**args)
         assert sum(p.numel() for p in model.parameters()) > 0
 
 
@@ -45,15 +46,20 @@ def test_every_registered_size_has_a_config():
 def test_objective_options(cfg_of, name):
     cfg = cfg_of("train", [f"objective={name}"])
     objective = instantiate(cfg.objective)
-    assert objective.time_inputs in (1, 2)
-    assert cfg.trainer.sample_steps >= 1
+    assert objective.time_inputs in (1, 2) and objective.sample_steps >= 1
+    assert cfg.trainer.sample_steps is None  # the objective's own, unless the command line says otherwise
 
 
 @pytest.mark.parametrize("name", options("attention"))
 def test_attention_options(cfg_of, name):
-    backend = cfg_of("train", [f"attention={name}"]).attention.backend
-    assert backend == "auto" or get_attention(backend).__name__.endswith(backend)
+    backend = instantiate(cfg_of("train", [f"attention={name}", "model=DiT-B/2"]).model).attention  # after the model
+    assert backend == name and (backend == "auto" or get_attention(backend).__name__.endswith(backend))
     assert set(options("attention")) == {"auto", *BACKENDS}
+
+
+def test_unknown_attention_is_refused_with_the_valid_names():
+    with pytest.raises(ValueError, match="unknown attention backend 'fast'; valid names: auto, math"):
+        ModelConfig(attention="fast")
 
 
 @pytest.mark.parametrize("name", options("data"))
@@ -74,7 +80,7 @@ def test_experiments(cfg_of, name):
     cfg = cfg_of("train", [f"experiment={name}"])
     for group, cls in [("data", DataConfig), ("optim", OptimConfig), ("trainer", TrainerConfig), ("logger", LoggerConfig)]:
         assert isinstance(instantiate(cfg[group]), cls)
-    assert instantiate(cfg.model).keywords["name"] in MODEL_SIZES
+    assert instantiate(cfg.model).name in MODEL_SIZES
     assert instantiate(cfg.objective).time_inputs in (1, 2)
 
 

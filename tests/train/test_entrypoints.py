@@ -8,7 +8,7 @@ import torch
 
 from flm.train import checkpoint
 from flm.train.cli import user_error
-from flm.train.loop import local_batch_size
+from flm.train.settings import local_batch_size
 
 from .conftest import TINY, run_script
 
@@ -71,7 +71,8 @@ def test_bad_values(tmp_path, train_run, override, expected):
 
 def test_batch_not_divisible_by_world_size():
     assert local_batch_size(64, 2, 4) == 8
-    with pytest.raises(ValueError, match=r"trainer.batch_size=6 is not divisible by world size x grad_accum = 4 x 1; pick a multiple of 4"):
+    message = r"trainer.batch_size=6 is not divisible by world size x grad_accum = 4 x 1; pick a multiple of 4"
+    with pytest.raises(ValueError, match=message):
         local_batch_size(6, 1, 4)
 
 

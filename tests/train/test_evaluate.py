@@ -100,7 +100,8 @@ def test_bad_inputs_are_one_line_errors(run, evaluate_run, tmp_path):
 
 def test_bad_input_exits_with_one_error_line(run, tmp_path):
     rc, _, err = run_script("evaluate", f"ckpt={run['dir']}", "n=abc", f"inception={run['inception']}")
-    assert rc == 1 and err.strip().splitlines() == ["error: n must be an integer >= 2 (FID fits a covariance; 10000 is usual), got 'abc'"]
+    expected = "error: n must be an integer >= 2 (FID fits a covariance; 10000 is usual), got 'abc'"
+    assert rc == 1 and err.strip().splitlines() == [expected]
 
 
 def test_two_processes_score_as_one(run, tmp_path):

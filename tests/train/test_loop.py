@@ -84,6 +84,7 @@ class FlakyObjective(torch.nn.Module):
     def __init__(self, inner, nan_steps):
         super().__init__()
         self.inner, self.nan_steps, self.time_inputs = inner, nan_steps, inner.time_inputs
+        self.sample_steps, self.networks = inner.sample_steps, inner.networks
 
     def loss(self, model, x, y=None, *, step=0):
         loss, metrics = self.inner.loss(model, x, y, step=step)
@@ -101,7 +102,7 @@ def train_flaky(tmp_path, cfg_of, nan_steps, extra=()):
     from .conftest import TINY
 
     cfg = cfg_of("train", TINY + ["objective=flow_matching", "trainer.log_every=1"] + list(extra))
-    return train(run_dir=str(tmp_path), model_fn=instantiate(cfg.model),
+    return train(run_dir=str(tmp_path), model=instantiate(cfg.model),
                  objective=FlakyObjective(instantiate(cfg.objective), nan_steps), data=instantiate(cfg.data),
                  optim=instantiate(cfg.optim), trainer=instantiate(cfg.trainer), logger=instantiate(cfg.logger))
 
@@ -122,7 +123,7 @@ def test_nonfinite_in_a_row_stops(tmp_path, cfg_of):
 
 
 def test_unknown_parallel_mode_is_refused():
-    from flm.train.loop import TrainerConfig
+    from flm.train import TrainerConfig
 
     with pytest.raises(ValueError, match="must be one of ddp, fsdp, got 'zero'"):
         TrainerConfig(parallel="zero")

@@ -278,6 +278,7 @@ def test_a_stalled_rank_ends_the_run_after_the_collective_timeout(tmp_path):
     t = time.time()
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                            str(script), "3"], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(script.parents[0]) + os.pathsep + os.getcwd()})
+                          env={**os.environ, "OMP_NUM_THREADS": "1",
+                               "PYTHONPATH": str(script.parents[0]) + os.pathsep + os.getcwd()})
     assert proc.returncode != 0 and "rank 0 stopped after" in proc.stdout, proc.stdout + proc.stderr
     assert time.time() - t < 60

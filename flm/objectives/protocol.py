@@ -1,0 +1,77 @@
+"""What the training loop, sample.py and evaluate.py rely on in an objective (flm.objectives.Objective),
+and how an objective declares the networks it needs besides the model it trains (Network).
+
+A distillation objective, say, declares a frozen teacher and a trainable fake-score network:
+
+    class Distill(nn.Module):
+        time_inputs, sample_steps = 1, 1
+
+        def __init__(self, teacher: str, fake_lr: float = 1e-5):
+            super().__init__()
+            self.networks = {
+                "teacher": Network(build=lambda args: load_teacher(teacher, args)),
+                "fake_score": Network(build=lambda args: load_teacher(teacher, args), trainable=True,
+                                      optim={"lr": fake_lr}),
+            }
+
+        def loss(self, model, x, y=None, *, step=0, teacher, fake_score):
+            ...  # one loss: its gradients reach the model and the fake score, each stepped by its own optimizer
+
+The loop builds each declared network from the trained model's build arguments, places it on the
+device, and passes it to every `loss` call as the keyword of its name. A trainable one is wrapped
+like the model (DDP / FSDP2), gets its own AdamW (optim.* with `optim` over it) and schedule, is
+clipped, skipped on a non-finite step and saved in the checkpoint under its name (flm.train.state); a
+frozen one gets no gradients, is not saved and is built again on resume.
+"""
+
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Network:
+    """A network an objective uses besides the trained model.
+
+    build: model_args (flm.models.build_model's keywords for the trained model) -> the network, its
+    weights set (a teacher's loaded from its checkpoint). trainable: False for a frozen network, True
+    for one with its own optimizer. optim: flm.train.OptimConfig fields that differ from the run's for
+    that optimizer, e.g. {"lr": 1e-5}.
+    """
+
+    build: Callable[[dict], nn.Module]
+    trainable: bool = False
+    optim: Mapping[str, Any] = field(default_factory=dict)
+
+
+NO_NETWORKS: Mapping[str, Network] = MappingProxyType({})
+
+
+class Objective(Protocol):
+    """An objective owns its loss and its sampler (flm.objectives' objectives are nn.Modules; their
+    parameters, such as sCM's adaptive weighting, train with the model, their state_dict goes into
+    the checkpoint)."""
+
+    time_inputs: int  # the model's time inputs: 1 (t) or 2 (t, r: MeanFlow)
+    sample_steps: int  # the sampler's default step count (grids, sample.py, evaluate.py)
+    networks: Mapping[str, Network]  # the networks it needs besides the model; NO_NETWORKS for none
+
+    def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor | None = None, *, step=0,
+             **networks: nn.Module) -> tuple[torch.Tensor, dict]:
+        """(loss, metrics); step is an int, or a 0-dim device tensor when the step is a CUDA graph."""
+
+    def sample(self, model: nn.Module, noise: torch.Tensor, y: torch.Tensor | None = None, *, steps: int,
+               cfg_scale: float = 1.0, generators=None) -> torch.Tensor:
+        """Images from `noise`; `generators` (one per image) feed any noise drawn after it."""
+
+    def parameters(self) -> Iterator[nn.Parameter]: ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict): ...
+
+    def to(self, device): ...

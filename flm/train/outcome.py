@@ -1,0 +1,95 @@
+"""A step's outcome read one step late, so that the host never waits for the GPU between steps.
+
+The skip of a non-finite step is decided on the device (flm.train.optim.optimizer_step); the host
+copies the step's [loss, finite, grad norm] without waiting and reads them after it has issued the
+next step's forward and backward (or at once on steps that log, save or finish). Reading counts the
+step: a non-finite one is warned about, and `max_nonfinite` of them in a row stop the run.
+"""
+
+import dataclasses
+import logging
+import math
+
+import torch
+
+log = logging.getLogger("flm")
+
+
+@dataclasses.dataclass
+class Numbers:
+    """Plain counters kept in a checkpoint as a dict of their fields."""
+
+    def state_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, type(getattr(self, f.name))(state[f.name]))
+
+
+@dataclasses.dataclass
+class NonFinite(Numbers):
+    total: int = 0
+    in_a_row: int = 0
+
+
+@dataclasses.dataclass
+class LossWindow(Numbers):
+    """The logged loss is the mean over the steps since the last log; carried over a resume."""
+
+    loss_sum: float = 0.0
+    steps: int = 0
+
+
+def to_host_async(values: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """Start copying a small tensor to the host without waiting: (host tensor, event to wait on)."""
+    if values.device.type != "cuda":
+        return values.cpu(), None
+    host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+    host.copy_(values, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return host, event
+
+
+class Outcomes:
+    """The pending step's outcome, the non-finite counters and the loss window."""
+
+    def __init__(self, max_nonfinite: int):
+        self.max_nonfinite = max_nonfinite
+        self.nonfinite, self.window = NonFinite(), LossWindow()
+        self.pending = None  # (step, host copy of [loss, finite, grad norm], event)
+
+    def record(self, step: int, loss: torch.Tensor, finite: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        """Start reading this step's outcome; settle() reads it."""
+        self.pending = (step, *to_host_async(torch.stack([loss, finite, grad_norm.detach().float()])))
+        self.window.steps += 1
+
+    def settle(self) -> None:
+        """Read the pending step's outcome: count it, warn about a skip, stop after too many in a row."""
+        if self.pending is None:
+            return
+        (step, values, event), self.pending = self.pending, None
+        if event is not None:
+            event.synchronize()
+        loss, finite, norm = values.tolist()
+        counts = self.nonfinite
+        if finite == 1.0:
+            counts.in_a_row = 0
+        else:
+            counts.total, counts.in_a_row = counts.total + 1, counts.in_a_row + 1
+            log.warning(f"step {step}: non-finite loss {loss} or grad norm {norm}; "
+                        f"skipped ({counts.in_a_row} in a row, {counts.total} in total)")
+            if counts.in_a_row >= self.max_nonfinite:
+                raise FloatingPointError(
+                    f"{counts.in_a_row} non-finite steps in a row (last at step {step}); training stopped. "
+                    f"Lower optim.lr, raise optim.warmup_steps or keep optim.grad_clip > 0, then resume "
+                    f"from the last checkpoint"
+                )
+        self.window.loss_sum += loss if math.isfinite(loss) else 0.0
+
+    def mean_loss(self) -> float:
+        """The window's mean loss (this rank's), and a new window."""
+        mean = self.window.loss_sum / self.window.steps
+        self.window.loss_sum, self.window.steps = 0.0, 0
+        return mean

@@ -1,0 +1,92 @@
+"""The loop's settings (`trainer.*`) and what follows from them and the machine: the micro-batch size,
+the autocast dtype, what a CUDA graph can capture. No training here: sample.py, evaluate.py and the
+ablation read these too."""
+
+from dataclasses import dataclass, field
+
+import torch
+
+from flm.train.parallel import PARALLEL
+from flm.typed import check_fields
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = 2000
+    batch_size: int = 64  # global: images per optimizer step, summed over ranks and accumulation steps
+    grad_accum: int = 1
+    seed: int = 0
+    device: str = "auto"  # auto | cpu | cuda
+    precision: str = "auto"  # auto (bf16 autocast on CUDA, fp32 on CPU) | bf16 | fp32
+    compile: bool = False  # torch.compile the model (JVP steps do not compile: Dynamo refuses a Function's jvp rule)
+    cuda_graph: bool = False  # replay loss + backward as one CUDA graph (one GPU; flm.train.graphs)
+    parallel: str = "ddp"  # under torchrun: ddp | fsdp (FSDP2: parameters, gradients, optimizer state and EMA sharded)
+    class_conditional: bool = True  # condition on the dataset's labels (enables cfg_scale when sampling)
+    ema_decays: list[float] = field(default_factory=lambda: [0.999])
+    log_every: int = 50
+    sample_every: int = 0  # 0: a grid at the end only
+    sample_n: int = 64
+    sample_steps: int | None = None  # sampler steps of the grids; null: the objective's own (objective.sample_steps)
+    sample_cfg_scale: float = 1.0
+    ckpt_every: int = 0  # 0: a checkpoint at the end only
+    keep_last: int = 2
+    resume: str | None = None  # null (new run) | auto (latest checkpoint in the run folder) | a path
+    max_nonfinite: int = 10  # stop after this many skipped (non-finite) steps in a row
+    sync_check_every: int = 1000  # compare a parameter checksum across ranks after step 1 and every N steps; 0: never
+    eval_every: int = 0  # FID (and label accuracy on MNIST-like data) of the EMA weights every N steps and at the end; 0: never
+    eval_n: int = 10000  # images per step count
+    eval_steps: list[int] | None = None  # sampler step counts to score; null: [the grids' sampler steps]
+    eval_inception: str | None = None  # the FID Inception TorchScript; null: $FLM_FID_INCEPTION
+    eval_cache: str | None = None  # reference statistics folder; null: $FLM_FID_CACHE, else ~/.cache/flm/fid
+    collective_timeout_s: float = 600.0  # a rank that waits this long for a stalled one ends the run with an error
+
+    def __post_init__(self):
+        check_fields(self, "trainer")
+        positive = ("max_steps", "batch_size", "grad_accum", "log_every", "sample_n", "max_nonfinite",
+                    "collective_timeout_s")
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ValueError(f"trainer.{name} must be > 0, got {getattr(self, name)}")
+        if self.sample_steps is not None and self.sample_steps <= 0:
+            raise ValueError(f"trainer.sample_steps must be > 0 (or null: the objective's own), got {self.sample_steps}")
+        for name in ("sample_every", "ckpt_every", "keep_last", "sync_check_every"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"trainer.{name} must be >= 0 (0 = at the end only / keep all), got {getattr(self, name)}")
+        if self.eval_every < 0:
+            raise ValueError(f"trainer.eval_every must be >= 0 (0: no evaluation), got {self.eval_every}")
+        if self.precision not in ("auto", "bf16", "fp32"):
+            raise ValueError(f"trainer.precision must be auto, bf16 or fp32, got {self.precision!r}")
+        if self.parallel not in PARALLEL:
+            raise ValueError(f"trainer.parallel must be one of {', '.join(PARALLEL)}, got {self.parallel!r}")
+
+
+def local_batch_size(batch_size: int, grad_accum: int, world: int) -> int:
+    """Images per rank per micro-batch: the global batch cut into world x grad_accum equal parts."""
+    if batch_size % (world * grad_accum):
+        raise ValueError(
+            f"trainer.batch_size={batch_size} is not divisible by world size x grad_accum = {world} x {grad_accum}; "
+            f"pick a multiple of {world * grad_accum}"
+        )
+    return batch_size // (world * grad_accum)
+
+
+def amp_dtype(precision: str, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype of `precision` on `device`; None: fp32, no autocast."""
+    if precision == "bf16" or (precision == "auto" and device.type == "cuda"):
+        return torch.bfloat16
+    return None
+
+
+def check_cuda_graph(trainer: TrainerConfig, device: torch.device, world: int) -> None:
+    """trainer.cuda_graph=true captures one process's loss + backward; refuse what it cannot capture."""
+    problems = []
+    if device.type != "cuda":
+        problems.append(f"it needs a CUDA device, and this run is on {device}")
+    if world > 1:
+        problems.append(f"it runs on one process, and this run has {world} (DDP/FSDP2 communication is not captured)")
+    if trainer.grad_accum > 1:
+        problems.append(f"it captures one micro-batch per step, and trainer.grad_accum={trainer.grad_accum}")
+    if trainer.compile:
+        problems.append("it replaces torch.compile, and trainer.compile=true")
+    if problems:
+        raise ValueError("trainer.cuda_graph=true cannot run here: " + "; ".join(problems) + ". Set trainer.cuda_graph=false")
