@@ -1,18 +1,20 @@
 """Sample quality at equal GPU time: train each objective for the same GPU seconds, then FID of its
 1-, 2- and many-step samplers from flm's own evaluate.py, and a grid of each.
 
-    PYTHONPATH=. python benchmarks/quality.py --data-root data --inception fid/inception.pt \\
-        --budget-s 215 --objectives flow_matching meanflow scm --work /tmp/quality --out docs/quality
+    PYTHONPATH=. python benchmarks/quality.py --data-root data --inception fid/inception.pt --budget-s 215 \\
+        --runs flow_matching:flow_matching:auto meanflow:meanflow:auto scm:scm:auto --out docs/quality
+    PYTHONPATH=. python benchmarks/quality.py ... --runs mf_p05:meanflow:2100:objective.adaptive_p=0.5
 
 Protocol (docs/quality.md): MNIST 28 x 28, the `experiment=mnist_<objective>` presets (DiT-S/2,
-batch 256) with `attention=triton_jvp trainer.cuda_graph=true`. Each objective first trains
-`--probe-steps` steps, which gives its steady ms/step; the run is then resumed (bit-exactly) up to
-budget / (ms/step) steps, so every objective gets the same GPU time whatever its step costs. Then
-`--n` samples from the EMA weights, FID against the MNIST test digits, and the digit classifier's
-label accuracy.
+batch 256) with `attention=triton_jvp trainer.cuda_graph=true`, each trained for the same GPU time.
+A run is NAME:OBJECTIVE:STEPS[:override,override...]. STEPS=auto first trains `--probe-steps` steps,
+which gives the objective's steady ms/step, then resumes the run (bit-exactly) up to
+budget / (ms/step) steps; a number trains that many steps (cheaper when the step cost is known), and
+the table reports steps x measured ms/step as the GPU time either way. Then `--n` samples from the
+EMA weights: FID against the MNIST test digits, and the digit classifier's label accuracy.
 
-Results accumulate in <out>/quality.json (one entry per objective, so the objectives can be run in
-separate calls) and <out>/quality.md is rewritten from all entries each time.
+Results accumulate in <out>/quality.json (one entry per run, so runs can be made in separate calls)
+and <out>/quality.md is rewritten from all entries each time.
 """
 
 import argparse
@@ -24,7 +26,7 @@ import time
 
 import torch
 
-SAMPLER_STEPS = {"flow_matching": [50, 2, 1], "meanflow": [1, 2], "scm": [1, 2]}
+SAMPLER_STEPS = {"flow_matching": [50, 2], "meanflow": [1, 2], "scm": [1, 2]}
 
 
 def sh(args: list[str], log: str) -> None:
@@ -50,51 +52,56 @@ def steady_step_ms(run_dir: str) -> float:
     return rows[-1]["step_ms"]
 
 
-def run_objective(name: str, args) -> dict:
+def run_objective(spec: str, args) -> dict:
+    name, objective, steps, *rest = spec.split(":")
+    overrides = rest[0].split(",") if rest else []
     run_dir = os.path.join(args.work, name)
     log = os.path.join(args.out, f"{name}.log")
-    train = [sys.executable, "train.py", f"experiment=mnist_{name}", "attention=triton_jvp",
+    train = [sys.executable, "train.py", f"experiment=mnist_{objective}", f"attention={args.attention}",
              f"data.root={args.data_root}", "data.download=false", f"run_dir={run_dir}",
              f"trainer.cuda_graph={str(args.cuda_graph).lower()}", "trainer.sample_every=0", "trainer.ckpt_every=0",
-             "trainer.log_every=50", *args.override]
+             "trainer.log_every=50", *overrides]
     start = time.time()
-    sh(train + [f"trainer.max_steps={args.probe_steps}"], log)
-    ms = steady_step_ms(run_dir)
-    steps = max(args.probe_steps, int(round(args.budget_s * 1000 / ms / 100)) * 100)
-    sh(train + [f"trainer.max_steps={steps}", "trainer.resume=auto"], log)
+    if steps == "auto":
+        sh(train + [f"trainer.max_steps={args.probe_steps}"], log)
+        steps = max(args.probe_steps, int(round(args.budget_s * 1000 / steady_step_ms(run_dir) / 100)) * 100)
+        sh(train + [f"trainer.max_steps={steps}", "trainer.resume=auto"], log)
+    else:
+        steps = int(steps)
+        sh(train + [f"trainer.max_steps={steps}"], log)
     ms_final = steady_step_ms(run_dir)
     wall = time.time() - start
 
     evals = os.path.join(args.out, f"{name}-eval.json")
-    sampler_steps = SAMPLER_STEPS[name]
+    sampler_steps = SAMPLER_STEPS[objective]
     sh([sys.executable, "evaluate.py", f"ckpt={run_dir}", f"n={args.n}", f"steps=[{','.join(map(str, sampler_steps))}]",
-        f"inception={args.inception}", f"data.root={args.data_root}", f"out={evals}"], log)
+        f"batch_size={args.eval_batch}", f"inception={args.inception}", f"data.root={args.data_root}", f"out={evals}"], log)
     with open(evals) as f:
         fid = json.load(f)
     for k in sampler_steps[:2]:
         sh([sys.executable, "sample.py", f"ckpt={run_dir}", "n=100", f"steps={k}",
             f"out={os.path.join(args.out, f'{name}-{k}step')}"], log)
-    return {"objective": name, "train_steps": steps, "step_ms": ms_final, "gpu_s": steps * ms_final / 1000,
-            "wall_s": wall, "overrides": args.override, "eval": fid}
+    return {"name": name, "objective": objective, "train_steps": steps, "step_ms": ms_final,
+            "gpu_s": steps * ms_final / 1000, "wall_s": wall, "overrides": overrides, "eval": fid}
 
 
 def report(results: dict, path: str) -> None:
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     lines = [f"Device: {device}; torch {torch.__version__}. Command: `{' '.join(sys.argv)}`.", "",
-             "| objective | training steps | ms/step | GPU s | sampler steps | FID | label accuracy | FID / FM 50-step |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| run | objective | overrides | training steps | ms/step | GPU s | sampler steps | FID | label accuracy "
+             "| FID / FM 50-step |", "|---|---|---|---|---|---|---|---|---|---|"]
     base = None
-    fm = results.get("flow_matching")
+    fm = [r for r in results.values() if r["objective"] == "flow_matching"]
     if fm:
-        base = fm["eval"]["results"].get("fid_steps50")
+        base = fm[0]["eval"]["results"].get("fid_steps50")
     for r in results.values():
         found = r["eval"]["results"]
         for k in SAMPLER_STEPS[r["objective"]]:
             fid, acc = found[f"fid_steps{k}"], found.get(f"label_acc_steps{k}")
             ratio = f"{fid / base:.2f}" if base else "-"
             acc = f"{100 * acc:.1f} %" if acc is not None else "-"
-            lines.append(f"| {r['objective']} | {r['train_steps']} | {r['step_ms']:.1f} | {r['gpu_s']:.0f} | "
-                         f"{k} | {fid:.2f} | {acc} | {ratio} |")
+            lines.append(f"| {r['name']} | {r['objective']} | {' '.join(r['overrides']) or '-'} | {r['train_steps']} | "
+                         f"{r['step_ms']:.1f} | {r['gpu_s']:.0f} | {k} | {fid:.2f} | {acc} | {ratio} |")
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
@@ -104,20 +111,23 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data-root", required=True, help="folder with MNIST/raw (torchvision layout)")
     p.add_argument("--inception", required=True, help="the FID Inception TorchScript file")
-    p.add_argument("--objectives", nargs="+", default=list(SAMPLER_STEPS), choices=list(SAMPLER_STEPS))
+    p.add_argument("--runs", nargs="+", default=[f"{k}:{k}:auto" for k in SAMPLER_STEPS],
+                   help="NAME:OBJECTIVE:STEPS[:override,...], STEPS a number or auto (probe, then the budget)")
     p.add_argument("--budget-s", type=float, default=215.0, help="GPU seconds of training per objective")
     p.add_argument("--probe-steps", type=int, default=300, help="steps that measure ms/step before the budget is set")
     p.add_argument("--n", type=int, default=10_000, help="samples per FID")
+    p.add_argument("--attention", default="triton_jvp", help="attention backend (math for a CPU dry run)")
+    p.add_argument("--eval-batch", type=int, default=1000, help="evaluate.py's batch size")
     p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--override", nargs="*", default=[], help="extra train.py overrides for every objective")
     p.add_argument("--work", default="/tmp/flm-quality", help="run folders")
     p.add_argument("--out", default="docs/quality", help="quality.json, quality.md, logs and grids")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
     results_path = os.path.join(args.out, "quality.json")
     results = json.load(open(results_path)) if os.path.exists(results_path) else {}
-    for name in args.objectives:
-        results[name] = run_objective(name, args)
+    for spec in args.runs:
+        entry = run_objective(spec, args)
+        results[entry["name"]] = entry
         with open(results_path, "w") as f:
             json.dump(results, f, indent=1)
     report(results, os.path.join(args.out, "quality.md"))
