@@ -5,7 +5,8 @@ batch -> objective.loss -> backward; then clip -> optimizer steps -> EMA; then l
 
 The loop knows neither the loss nor the sampler: it calls `objective.loss(model, x, y, step=...)`
 (with the networks the objective declares as keywords, flm.objectives.Objective) and, for sample
-grids, `objective.sample(...)`.
+grids, `objective.sample(...)`. A loss given per network ({"model": ..., "fake_score": ...}) steps
+only the networks it names: how rCM alternates its student and fake-score updates.
 
 Non-finite steps: when the loss or a gradient norm is NaN/inf on any rank, the optimizer steps (and
 the EMA update) are skipped on every rank with a warning, and the count is logged; after
