@@ -10,7 +10,7 @@ the loop relies on is written down in flm.objectives.protocol (Objective, Networ
 
 Every objective is an nn.Module (parameters: only sCM's adaptive weighting; state_dict for the
 checkpoint) with `time_inputs` (1, or 2 for MeanFlow's (t, r)), `sample_steps` (its sampler's default),
-`networks` (what it needs besides the model: none here; a distillation's teacher and fake score),
+`networks` (what it needs besides the model: sCD's and rCM's teacher and fake score, flm.objectives.distillation),
 `loss(model, x, y=None, *, step=0) -> (loss, metrics)` (step: an int, or a 0-dim tensor on the device
 when the step is a CUDA graph) and `sample(model, noise, y=None, *, steps, cfg_scale=1.0, generators=None) -> x`;
 `generators` (one torch.Generator per image) feed any noise a sampler draws after `noise` (sCM's
@@ -18,20 +18,21 @@ multi-step re-noising), so samples do not depend on the batch size; deterministi
 """
 
 from flm.objectives.consistency import SCM
+from flm.objectives.distillation import RCM, SCD
 from flm.objectives.flow_matching import FlowMatching
 from flm.objectives.jvp import JVP_MODES
 from flm.objectives.meanflow import MeanFlow
 from flm.objectives.protocol import NO_NETWORKS, Network, Objective
 
-OBJECTIVES = {"flow_matching": FlowMatching, "meanflow": MeanFlow, "scm": SCM}
+OBJECTIVES = {"flow_matching": FlowMatching, "meanflow": MeanFlow, "scm": SCM, "scd": SCD, "rcm": RCM}
 
 
 def build_objective(name: str, **kwargs) -> Objective:
-    """The objective `name` ("flow_matching", "meanflow", "scm") built with keyword arguments."""
+    """The objective `name` (a key of OBJECTIVES) built with keyword arguments."""
     if name not in OBJECTIVES:
         raise ValueError(f"unknown objective {name!r}; valid names: {', '.join(OBJECTIVES)}")
     return OBJECTIVES[name](**kwargs)
 
 
-__all__ = ["JVP_MODES", "NO_NETWORKS", "OBJECTIVES", "SCM", "FlowMatching", "MeanFlow", "Network", "Objective",
+__all__ = ["JVP_MODES", "NO_NETWORKS", "OBJECTIVES", "RCM", "SCD", "SCM", "FlowMatching", "MeanFlow", "Network", "Objective",
            "build_objective"]

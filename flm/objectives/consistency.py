@@ -120,23 +120,32 @@ class SCM(nn.Module):
             return (step / self.warmup_steps).clamp(max=1.0)
         return min(1.0, step / self.warmup_steps)
 
+    def network_output(self, model, x_in, t, y, cfg_scale: float = 1.0):
+        """F(x_t / sigma_d, t) at x_in = x_t / sigma_d: the model itself (sCD converts a flow-matching
+        network, flm.objectives.distillation)."""
+        return guided(model, x_in, t, None, y, cfg_scale)
+
     def loss(self, model, x, y=None, *, step=0):
         y = drop_labels(model, y, self.label_dropout)
-        sigma_d = self.sigma_d
-        t = lognormal_trigflow(x.shape[0], self.p_mean, self.p_std, sigma_d, device=x.device)
+        t = lognormal_trigflow(x.shape[0], self.p_mean, self.p_std, self.sigma_d, device=x.device)
         s = self.path.sample(x, torch.randn_like(x), t)
-        cos_t, sin_t = bcast(torch.cos(t), x), bcast(torch.sin(t), x)
+        return self.consistency_loss(model, s.x_t, t, s.dx_t, y, step)
+
+    def consistency_loss(self, model, x_t, t, dx_t, y, step):
+        """Algorithm 1's loss at (x_t, t) with dx_t/dt = dx_t: the data's (sCT) or a teacher's (sCD)."""
+        sigma_d = self.sigma_d
+        cos_t, sin_t = bcast(torch.cos(t), x_t), bcast(torch.sin(t), x_t)
 
         # JVP rearrangement: tangents pre-multiplied by cos t sin t, giving cos t sin t dF/dt directly
         F, cs_dFdt = jvp(
-            lambda x_in, t_in: model(x_in, t_in, None, y),
-            (s.x_t / sigma_d, t),
-            (cos_t * sin_t * s.dx_t / sigma_d, torch.cos(t) * torch.sin(t)),
+            lambda x_in, t_in: self.network_output(model, x_in, t_in, y),
+            (x_t / sigma_d, t),
+            (cos_t * sin_t * dx_t / sigma_d, torch.cos(t) * torch.sin(t)),
             mode=self.jvp_mode,
         )
         F_minus = F.detach().float()
-        g = -cos_t.square() * (sigma_d * F_minus - s.dx_t) - self.warmup(step) * (
-            cos_t * sin_t * s.x_t + sigma_d * cs_dFdt.float()
+        g = -cos_t.square() * (sigma_d * F_minus - dx_t) - self.warmup(step) * (
+            cos_t * sin_t * x_t + sigma_d * cs_dFdt.float()
         )
         g_norm = g.flatten(1).norm(dim=1)
         g = g / bcast(g_norm + self.tangent_c, g)
@@ -148,7 +157,7 @@ class SCM(nn.Module):
 
     def consistency_fn(self, model, x_t, t, y, cfg_scale: float = 1.0):
         """f(x_t, t) = cos(t) x_t - sin(t) sigma_d F(x_t / sigma_d, t), t a python float."""
-        F = guided(model, x_t / self.sigma_d, torch.full((x_t.shape[0],), t, device=x_t.device), None, y, cfg_scale)
+        F = self.network_output(model, x_t / self.sigma_d, torch.full((x_t.shape[0],), t, device=x_t.device), y, cfg_scale)
         return math.cos(t) * x_t - math.sin(t) * self.sigma_d * F.float()
 
     def sample_times(self, steps: int) -> list[float]:

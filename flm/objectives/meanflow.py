@@ -19,11 +19,17 @@ Guidance in training (section 4.2, eqs. 13-19, off by default): v is replaced, i
 the JVP tangent, by v~ = omega v + kappa u(z_t, t, t | y) + (1 - omega - kappa) u(z_t, t, t | null),
 the two u's without gradient; samples whose label was dropped to the null class keep v~ = v.
 
+Distillation (`teacher`, off by default): v is a frozen flow-matching teacher's velocity at (z_t, t),
+with its classifier-free guidance at teacher_cfg_scale (flm.objectives.teacher), in place of eps - x;
+the student starts from the teacher's weights (all but its embedding of t - r).
+
     from flm.objectives import MeanFlow
     mf = MeanFlow(jvp_mode="dual")          # build the model with time_inputs=mf.time_inputs (2)
     loss, metrics = mf.loss(model, x, y)
     images = mf.sample(model, torch.randn_like(x), y, steps=1)
 """
+
+import functools
 
 import torch
 from torch import nn
@@ -31,7 +37,8 @@ from torch import nn
 from flm.objectives.guidance import check_cfg, drop_labels, guided, null_labels, num_classes
 from flm.objectives.jvp import check_jvp_mode, jvp
 from flm.objectives.paths import LinearPath, bcast, check_probability, check_std, logit_normal, time_grid
-from flm.objectives.protocol import NO_NETWORKS
+from flm.objectives.protocol import NO_NETWORKS, Network
+from flm.objectives.teacher import load_teacher, teacher_velocity
 
 
 TANGENTS = ("sample", "model")
@@ -49,6 +56,8 @@ class MeanFlow(nn.Module):
         label_dropout: probability of the null label (CFG training); classes read from the model.
         tangent: "sample" (v, the paper's) or "model" (sg(u(z_t, t, t)), see the module docstring).
         jvp_mode: "dual" (one dual pass) or "two_pass" (no-grad JVP pass + gradient pass).
+        teacher: a flow-matching run folder or checkpoint whose velocity replaces v (null: none).
+        teacher_cfg_scale: the teacher's classifier-free guidance (1.0: none).
 
     No parameters or state.
     """
@@ -70,6 +79,8 @@ class MeanFlow(nn.Module):
         label_dropout: float = 0.1,
         tangent: str = "sample",
         jvp_mode: str = "dual",
+        teacher: str | None = None,
+        teacher_cfg_scale: float = 1.0,
     ):
         super().__init__()
         check_std("t_std", t_std)
@@ -90,6 +101,14 @@ class MeanFlow(nn.Module):
         self.label_dropout, self.tangent = label_dropout, tangent
         self.jvp_mode = check_jvp_mode(jvp_mode)
         self.path = LinearPath()
+        if teacher and (cfg_omega != 1.0 or cfg_kappa != 0.0):
+            raise ValueError("a teacher's guidance (teacher_cfg_scale) replaces guidance in training; keep cfg_omega=1.0 "
+                             "and cfg_kappa=0.0 with objective.teacher")
+        if not teacher_cfg_scale >= 1.0:
+            raise ValueError(f"teacher_cfg_scale must be >= 1.0 (1.0: no guidance), got {teacher_cfg_scale!r}")
+        self.teacher, self.teacher_cfg_scale = teacher, teacher_cfg_scale
+        if teacher:
+            self.networks = {"teacher": Network(build=functools.partial(load_teacher, teacher), model_init=True)}
 
     def sample_times(self, n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         """(t, r) with t >= r: two logit-normal draws sorted; a fraction 1 - r_neq_t gets r = t."""
@@ -115,12 +134,14 @@ class MeanFlow(nn.Module):
         dropped = bcast(y_in == null_labels(model, y), v)
         return torch.where(dropped, s.dx_t, v)
 
-    def loss(self, model, x, y=None, *, step: int = 0):
+    def loss(self, model, x, y=None, *, step: int = 0, teacher=None):
         y_in = drop_labels(model, y, self.label_dropout)
         t, r = self.sample_times(x.shape[0], x.device)
         s = self.path.sample(x, torch.randn_like(x), t)
         guided_training = self.cfg_omega != 1.0 or self.cfg_kappa != 0.0
         v = self._guided_velocity(model, s, y, y_in) if guided_training else s.dx_t
+        if teacher is not None:
+            v = teacher_velocity(teacher, s.x_t, t, y_in, self.teacher_cfg_scale)
         if self.tangent == "model":
             with torch.no_grad():
                 dz = model(s.x_t, t, t, y_in)

@@ -1,7 +1,8 @@
 """What the training loop, sample.py and evaluate.py rely on in an objective (flm.objectives.Objective),
 and how an objective declares the networks it needs besides the model it trains (Network).
 
-A distillation objective, say, declares a frozen teacher and a trainable fake-score network:
+A distillation objective, say, declares a frozen teacher that the student starts from, and a
+trainable fake-score network (flm.objectives.distillation.RCM is this):
 
     class Distill(nn.Module):
         time_inputs, sample_steps = 1, 1
@@ -9,19 +10,28 @@ A distillation objective, say, declares a frozen teacher and a trainable fake-sc
         def __init__(self, teacher: str, fake_lr: float = 1e-5):
             super().__init__()
             self.networks = {
-                "teacher": Network(build=lambda args: load_teacher(teacher, args)),
-                "fake_score": Network(build=lambda args: load_teacher(teacher, args), trainable=True,
-                                      optim={"lr": fake_lr}),
+                "teacher": Network(build=partial(load_teacher, teacher), model_init=True),
+                "fake_score": Network(build=partial(load_teacher, teacher), trainable=True, optim={"lr": fake_lr}),
             }
 
         def loss(self, model, x, y=None, *, step=0, teacher, fake_score):
-            ...  # one loss: its gradients reach the model and the fake score, each stepped by its own optimizer
+            if step % 2 == 0:
+                return {"fake_score": ...}, metrics  # this step updates the fake score only
+            return {"model": ...}, metrics           # and this one the model (and its EMA) only
 
 The loop builds each declared network from the trained model's build arguments, places it on the
 device, and passes it to every `loss` call as the keyword of its name. A trainable one is wrapped
 like the model (DDP / FSDP2), gets its own AdamW (optim.* with `optim` over it) and schedule, is
 clipped, skipped on a non-finite step and saved in the checkpoint under its name (flm.train.state); a
-frozen one gets no gradients, is not saved and is built again on resume.
+frozen one gets no gradients, is not saved and is built again on resume. With `model_init` the trained
+model (and its EMAs) start from that network's weights: every tensor they share by name (a MeanFlow
+student keeps the initialisation of its second time embedding, which a flow-matching teacher lacks).
+
+Alternating updates: `loss` returns one loss, whose gradients every optimizer steps with, or a dict
+{network: loss} of the networks this step updates ("model" for the trained model, else a trainable
+network's name); the others' optimizers, and the model's EMA unless "model" is there, skip the step.
+The choice must depend on the step alone (every micro-batch and rank of a step makes the same one),
+which also makes a resumed run alternate as the whole run did.
 """
 
 from collections.abc import Callable, Iterator, Mapping
@@ -40,12 +50,14 @@ class Network:
     build: model_args (flm.models.build_model's keywords for the trained model) -> the network, its
     weights set (a teacher's loaded from its checkpoint). trainable: False for a frozen network, True
     for one with its own optimizer. optim: flm.train.OptimConfig fields that differ from the run's for
-    that optimizer, e.g. {"lr": 1e-5}.
+    that optimizer, e.g. {"lr": 1e-5}. model_init: the trained model starts from this network's
+    weights (at most one network of an objective sets it).
     """
 
     build: Callable[[dict], nn.Module]
     trainable: bool = False
     optim: Mapping[str, Any] = field(default_factory=dict)
+    model_init: bool = False
 
 
 NO_NETWORKS: Mapping[str, Network] = MappingProxyType({})
@@ -61,8 +73,9 @@ class Objective(Protocol):
     networks: Mapping[str, Network]  # the networks it needs besides the model; NO_NETWORKS for none
 
     def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor | None = None, *, step=0,
-             **networks: nn.Module) -> tuple[torch.Tensor, dict]:
-        """(loss, metrics); step is an int, or a 0-dim device tensor when the step is a CUDA graph."""
+             **networks: nn.Module) -> tuple[torch.Tensor | Mapping[str, torch.Tensor], dict]:
+        """(loss, metrics); loss: one tensor, or {network: loss} for the networks this step updates (the
+        module docstring); step is an int, or a 0-dim device tensor when the step is a CUDA graph."""
 
     def sample(self, model: nn.Module, noise: torch.Tensor, y: torch.Tensor | None = None, *, steps: int,
                cfg_scale: float = 1.0, generators=None) -> torch.Tensor:

@@ -5,7 +5,8 @@ batch -> objective.loss -> backward; then clip -> optimizer steps -> EMA; then l
 
 The loop knows neither the loss nor the sampler: it calls `objective.loss(model, x, y, step=...)`
 (with the networks the objective declares as keywords, flm.objectives.Objective) and, for sample
-grids, `objective.sample(...)`.
+grids, `objective.sample(...)`. A loss given per network ({"model": ..., "fake_score": ...}) steps
+only the networks it names: how rCM alternates its student and fake-score updates.
 
 Non-finite steps: when the loss or a gradient norm is NaN/inf on any rank, the optimizer steps (and
 the EMA update) are skipped on every rank with a warning, and the count is logged; after
@@ -50,7 +51,7 @@ from flm.train.optim import OptimConfig, Optimizer
 from flm.train.parallel import grad_sync, wrap, wrap_copy
 from flm.train.sampling import class_labels, generate, save_grid
 from flm.train.settings import TrainerConfig, amp_dtype, check_cuda_graph, local_batch_size
-from flm.train.state import TrainState
+from flm.train.state import TrainState, key
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -61,12 +62,23 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.to(device, non_blocking=True)
 
 
+@torch.no_grad()
+def start_from(model: nn.Module, source: nn.Module) -> None:
+    """`source`'s weights into `model`: every tensor `model` has by that name (and shape); the model's
+    others keep their initialisation (a MeanFlow student's embedding of t - r)."""
+    unexpected = model.load_state_dict(source.state_dict(), strict=False).unexpected_keys
+    assert not unexpected, f"the model lacks {unexpected}"  # flm.objectives.teacher checked the architecture
+
+
 def build_state(model_args: dict, objective, optim: OptimConfig, trainer: TrainerConfig, loader: Loader,
                 device: torch.device, config: dict) -> TrainState:
     """The networks placed and wrapped, their EMAs and optimizers, in a TrainState at step 0."""
     torch.manual_seed(trainer.seed)  # the same initial weights on every rank
     raw = build_model(**model_args).to(device)
     objective.to(device)
+    nets = {name: network.build(model_args).to(device) for name, network in objective.networks.items()}
+    for name in [name for name, network in objective.networks.items() if network.model_init]:
+        start_from(raw, nets[name])  # a distillation's student starts as its teacher
     # the EMA copies first: under FSDP2, wrap() shards raw in place (and wrap_copy shards the copies alike)
     ema = EMA(raw, trainer.ema_decays, wrap=lambda m: wrap_copy(m, device, trainer.parallel))
     model = wrap(raw, device, trainer.parallel)
@@ -76,7 +88,7 @@ def build_state(model_args: dict, objective, optim: OptimConfig, trainer: Traine
                                      replicated=objective.parameters())}
     trainable, extras = {}, {}
     for name, network in objective.networks.items():  # a distillation's teacher and fake score
-        net = network.build(model_args).to(device)
+        net = nets[name]
         if network.trainable:
             trainable[name], extras[name] = net, wrap(net, device, trainer.parallel)
             optimizers[name] = Optimizer(nn.ModuleDict({name: net}), dataclasses.replace(optim, **network.optim))
@@ -88,9 +100,10 @@ def build_state(model_args: dict, objective, optim: OptimConfig, trainer: Traine
 
 
 def accumulate(state: TrainState, loss_and_backward, trainer: TrainerConfig, device, *, conditional: bool,
-               keep_metrics: bool) -> tuple[torch.Tensor, dict]:
-    """One step's micro-batches: batch -> loss -> backward. (mean loss, the objective's mean metrics)."""
-    loss_step, metrics = torch.zeros((), device=device), {}
+               keep_metrics: bool) -> tuple[torch.Tensor, dict, tuple[str, ...]]:
+    """One step's micro-batches: batch -> loss -> backward. (mean loss, the objective's mean metrics,
+    the networks the step updates)."""
+    loss_step, metrics, updates = torch.zeros((), device=device), {}, None
     for micro in range(trainer.grad_accum):
         # per step and per micro-batch, numbered over the whole step (the loader's order): resumes
         # exactly, and N ranks x A accumulation steps draw what one rank with N x A steps draws
@@ -98,11 +111,13 @@ def accumulate(state: TrainState, loss_and_backward, trainer: TrainerConfig, dev
         x, y = state.loader.next()
         x, y = to_device(x, device), (to_device(y, device) if conditional else None)
         with grad_sync(state.wrapped, micro == trainer.grad_accum - 1):
-            loss, extra = loss_and_backward(x, y, state.step)
+            loss, extra, step_updates = loss_and_backward(x, y, state.step)
+        assert updates in (None, step_updates), "an objective's updates must depend on the step alone"
+        updates = step_updates
         loss_step += loss.detach().float() / trainer.grad_accum
         for k, v in extra.items() if keep_metrics else ():  # only the logged steps' metrics are read
             metrics[k] = metrics.get(k, 0.0) + torch.as_tensor(v).detach().float() / trainer.grad_accum
-    return loss_step, metrics
+    return loss_step, metrics, updates
 
 
 class Meter:
@@ -113,7 +128,7 @@ class Meter:
         self.step_start, self.steps = step, 0
 
     def metrics(self, state: TrainState, trainer: TrainerConfig, device, objective_metrics: dict,
-                grad_norm: torch.Tensor) -> dict:
+                grad_norms: dict[str, torch.Tensor]) -> dict:
         """The logged step's metrics (means over ranks), and a new window."""
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -122,7 +137,7 @@ class Meter:
             # the objective's, of the last step: the mean over its micro-batches and ranks, as one rank logs it
             **{k: dist.all_mean(v).item() for k, v in objective_metrics.items()},
             "loss": dist.all_mean(torch.tensor(state.outcomes.mean_loss(), device=device)).item(),
-            "grad_norm": grad_norm.item(),
+            **{key(name, "grad_norm"): norm.item() for name, norm in grad_norms.items()},  # the step's updated networks
             "lr": state.optimizers["model"].lr,
             "images_per_s": trainer.batch_size * self.steps / seconds,
             "step_ms": 1000 * seconds / self.steps,
@@ -201,8 +216,12 @@ def train(*, run_dir: str, model: ModelConfig, objective: Objective, data: DataC
     def loss_and_backward(x, y, step):
         with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
             loss, extra = objective.loss(state.wrapped, x, y, step=step, **state.extras)
+        loss, updates = state.losses(loss)
+        if trainer.cuda_graph and updates != tuple(state.optimizers):
+            raise ValueError(f"trainer.cuda_graph=true replays one captured step, and {type(objective).__name__} "
+                             f"alternates the networks it updates; set trainer.cuda_graph=false")
         (loss / trainer.grad_accum).backward()
-        return loss, extra
+        return loss, extra, updates
 
     step_fn = loss_and_backward
     if trainer.cuda_graph:  # a graph replays what it captured: the step (sCM's tangent warm-up) goes in as a tensor
@@ -218,10 +237,10 @@ def train(*, run_dir: str, model: ModelConfig, objective: Objective, data: DataC
         while state.step < trainer.max_steps:
             logs = (state.step + 1) % trainer.log_every == 0 or state.step + 1 == trainer.max_steps
             saves = state.step + 1 == trainer.max_steps or (trainer.ckpt_every and (state.step + 1) % trainer.ckpt_every == 0)
-            loss, objective_metrics = accumulate(state, step_fn, trainer, device, conditional=num_classes > 0,
-                                                 keep_metrics=logs)
+            loss, objective_metrics, updates = accumulate(state, step_fn, trainer, device, conditional=num_classes > 0,
+                                                          keep_metrics=logs)
             state.outcomes.settle()  # the previous step's outcome, long computed by now: the GPU has this step's work queued
-            grad_norm = state.update(loss)
+            grad_norms = state.update(loss, updates)
             meter.steps += 1
             if trainer.sync_check_every and (state.step == step_start + 1 or state.step % trainer.sync_check_every == 0):
                 dist.check_in_sync(state.step, *state.modules())
@@ -229,7 +248,7 @@ def train(*, run_dir: str, model: ModelConfig, objective: Objective, data: DataC
                 state.outcomes.settle()
                 state.check_finite_weights(run_dir)
             if logs:
-                metrics = meter.metrics(state, trainer, device, objective_metrics, grad_norm)
+                metrics = meter.metrics(state, trainer, device, objective_metrics, grad_norms)
                 dist.info0(meter.progress(state.step, trainer.max_steps, metrics))
                 run_log.log(state.step, metrics)
             if state.step == trainer.max_steps or (trainer.sample_every and state.step % trainer.sample_every == 0):

@@ -15,6 +15,8 @@ Networks, EMAs and optimizers hold whole tensors in the bundle (gathered from FS
 checkpoint resumes under one process, DDP or FSDP2, with any number of ranks.
 """
 
+from collections.abc import Mapping
+
 import torch
 from torch import nn
 
@@ -148,14 +150,27 @@ class TrainState:
                 f"Lower optim.lr, then resume from the last checkpoint or start anew"
             )
 
-    def update(self, loss: torch.Tensor) -> torch.Tensor:
-        """Clip, then step every optimizer and the EMAs unless the loss or a gradient norm is not finite
-        on some rank (decided on the device); record the outcome. Returns the model's gradient norm."""
-        norms = [opt.clip() for opt in self.optimizers.values()]
-        finite = dist.all_min((torch.isfinite(loss) & torch.isfinite(torch.stack(norms)).all()).float())
-        for opt in self.optimizers.values():
-            opt.step(skip=1.0 - finite)
-        self.ema.update(self.model, self.step, apply=finite)
-        self.outcomes.record(self.step, loss, finite, norms[0])
+    def losses(self, loss) -> tuple[torch.Tensor, tuple[str, ...]]:
+        """An objective's loss as (what to backward, the networks this step updates): one tensor
+        updates every network; a dict {network: loss} the networks it names (flm.objectives.protocol)."""
+        if not isinstance(loss, Mapping):
+            return loss, tuple(self.optimizers)
+        unknown = sorted(set(loss) - set(self.optimizers))
+        if unknown or not loss:
+            raise ValueError(f"{type(self.objective).__name__}.loss returned losses for {sorted(loss)}; the networks "
+                             f"it can update are {', '.join(self.optimizers)}")
+        return sum(loss.values()), tuple(name for name in self.optimizers if name in loss)
+
+    def update(self, loss: torch.Tensor, updates: tuple[str, ...]) -> dict[str, torch.Tensor]:
+        """Clip, then step the optimizers of `updates` (and the EMAs with "model") unless the loss or a
+        gradient norm is not finite on some rank (decided on the device); record the outcome. Returns
+        each stepped network's gradient norm."""
+        norms = {name: self.optimizers[name].clip() for name in updates}
+        finite = dist.all_min((torch.isfinite(loss) & torch.isfinite(torch.stack(list(norms.values()))).all()).float())
+        for name in updates:
+            self.optimizers[name].step(skip=1.0 - finite)
+        if "model" in updates:
+            self.ema.update(self.model, self.step, apply=finite)
+        self.outcomes.record(self.step, loss, finite, next(iter(norms.values())))
         self.step += 1
-        return norms[0]
+        return norms

@@ -1,0 +1,143 @@
+"""sCD, rCM and MeanFlow's teacher option (flm.objectives.distillation, flm.objectives.teacher): the time
+conversion on a Gaussian, the student at its start, the JVP modes and the fused attention, alternation."""
+
+import contextlib
+import copy
+import math
+
+import pytest
+import torch
+
+from flm.objectives import RCM, SCD, MeanFlow, build_objective
+from flm.objectives.teacher import flow_time, trigflow_velocity
+from tests.models.tiny import plain_layers, tiny_dit, with_backend
+from tests.objectives.test_jvp_modes import SETUPS
+from tests.objectives.toys import GaussianVelocity
+
+
+@pytest.mark.parametrize("sigma_d", [0.5, 1.0])
+def test_the_converted_flow_matching_velocity_is_trigflows_exact_one_on_a_gaussian(sigma_d):
+    """Data N(mu, s^2): the exact flow-matching velocity through the conversion equals E[dx_t/dt | x_t] on
+    TrigFlow's path x_t = cos(t) x + sin(t) sigma_d eps, computed from the Gaussian's posterior."""
+    mu, s = 0.7, 0.3
+    t = torch.linspace(0.05, math.pi / 2 - 0.01, 9, dtype=torch.float64)
+    x_t = torch.randn(9, 5, dtype=torch.float64)
+    converted = trigflow_velocity(GaussianVelocity(mu, s), x_t, t, sigma_d)
+    cos_t, sin_t = torch.cos(t)[:, None], torch.sin(t)[:, None]
+    var = cos_t**2 * s**2 + sin_t**2 * sigma_d**2
+    x0 = mu + cos_t * s**2 * (x_t - cos_t * mu) / var  # E[x | x_t]
+    eps = sin_t * sigma_d * (x_t - cos_t * mu) / var  # E[eps | x_t]
+    torch.testing.assert_close(converted, -sin_t * x0 + sigma_d * cos_t * eps, rtol=1e-10, atol=1e-10)
+
+
+def test_flow_time_maps_trigflows_ends_to_flow_matchings():
+    t = torch.tensor([0.0, math.atan(1 / 0.5), math.pi / 2])
+    torch.testing.assert_close(flow_time(t, 0.5), torch.tensor([0.0, 0.5, 1.0]))
+
+
+def test_a_student_equal_to_its_teacher_predicts_the_teachers_x():
+    """f(x_t, t) of a flow-matching network is x_s - s v(x_s, s) at x_s = x_t / c(t), s = s(t)."""
+    scd, model = SCD(teacher="unused"), tiny_dit()
+    x_t, y, t = torch.randn(2, 3, 8, 8), torch.tensor([1, 4]), 1.1
+    c = math.cos(t) + scd.sigma_d * math.sin(t)
+    s = torch.full((2,), scd.sigma_d * math.sin(t) / c)
+    x_s = x_t / c
+    with torch.no_grad():
+        expected = x_s - s[0] * model(x_s, s, None, y)
+    torch.testing.assert_close(scd.consistency_fn(model, x_t, t, y), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_scd_from_an_exact_teacher_has_a_zero_target_at_the_start():
+    """The student is its teacher: sigma_d F- equals the teacher's dx_t/dt, so without tangent warm-up
+    (step 0) the target g is zero and so is the mse."""
+    scd, model = SCD(teacher="unused"), tiny_dit()
+    loss, metrics = scd.loss(model, torch.randn(4, 3, 8, 8), torch.tensor([0, 1, 2, 3]), step=0, teacher=model)
+    assert metrics["mse"] < 1e-10 and metrics["tangent_norm"] < 1e-5
+
+
+def _student_step(name, backend, mode, plain=False):
+    kwargs = {"teacher": "unused", "jvp_mode": mode, "warmup_steps": 4, "teacher_cfg_scale": 1.5}
+    objective = build_objective(name, **kwargs)
+    student = with_backend(tiny_dit(seed=1), backend)
+    networks = {"teacher": tiny_dit(seed=2).requires_grad_(False)}
+    if name == "rcm":
+        networks["fake_score"] = tiny_dit(seed=3).requires_grad_(False)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(4, 3, 8, 8, generator=g), torch.tensor([0, 3, 7, 9])
+    torch.manual_seed(1)
+    with plain_layers() if plain else contextlib.nullcontext():
+        loss, metrics = objective.loss(student, x, y, step=3, **networks)  # rCM: step 3 updates the student
+    loss = loss["model"] if name == "rcm" else loss
+    params = list(student.parameters()) + list(objective.parameters())
+    return loss.detach(), torch.autograd.grad(loss, params, allow_unused=True)
+
+
+@pytest.mark.parametrize("name", ["scd", "rcm"])
+def test_student_gradients_agree_across_jvp_modes_and_the_fused_attention(name):
+    loss_ref, grads_ref = _student_step(name, "math", "two_pass", plain=True)
+    assert sum(g.norm() for g in grads_ref if g is not None) > 1e-2
+    for backend, mode in SETUPS:
+        loss, grads = _student_step(name, backend, mode)
+        torch.testing.assert_close(loss, loss_ref, rtol=1e-4, atol=1e-6)
+        for g, g_ref in zip(grads, grads_ref):
+            assert (g is None) == (g_ref is None)
+            if g is not None:
+                torch.testing.assert_close(g, g_ref, rtol=1e-3, atol=1e-5, msg=f"{backend}/{mode}")
+
+
+def test_rcm_alternates_fake_score_and_student_updates():
+    rcm = RCM(teacher="unused", fake_updates=2)
+    student, teacher, fake = tiny_dit(seed=1), tiny_dit(seed=2).requires_grad_(False), tiny_dit(seed=3)
+    x, y = torch.randn(2, 3, 8, 8), torch.tensor([0, 1])
+    for step, updated in [(0, "fake_score"), (1, "fake_score"), (2, "model"), (3, "fake_score"), (5, "model")]:
+        losses, _ = rcm.loss(student, x, y, step=step, teacher=teacher, fake_score=fake)
+        assert list(losses) == [updated]
+        params = {"model": student, "fake_score": fake}
+        grads = {n: torch.autograd.grad(losses[updated], list(m.parameters()), allow_unused=True)
+                 for n, m in params.items() if any(p.requires_grad for p in m.parameters())}
+        for name, g in grads.items():
+            assert any(gi is not None for gi in g) == (name == updated), (step, name)
+
+
+def test_the_dmd_gradient_vanishes_when_the_fake_score_is_the_teacher():
+    """grad = x_fake - x_real (normalised) is zero when both scores agree: rCM's loss is then sCD's."""
+    rcm, scd = RCM(teacher="unused", dmd_weight=1.0), SCD(teacher="unused")
+    student, teacher = tiny_dit(seed=1), tiny_dit(seed=2).requires_grad_(False)
+    x, y = torch.randn(2, 3, 8, 8), torch.tensor([0, 1])
+    torch.manual_seed(0)
+    losses, metrics = rcm.loss(student, x, y, step=1, teacher=teacher, fake_score=copy.deepcopy(teacher))
+    torch.manual_seed(0)
+    scd_loss, _ = scd.loss(student, x, y, step=1, teacher=teacher)
+    assert metrics["dmd"] == 0
+    torch.testing.assert_close(losses["model"], scd_loss)
+
+
+def test_meanflow_with_a_teacher_regresses_on_the_teachers_velocity():
+    """r = t everywhere: MeanFlow's target is v itself, the teacher's velocity in place of eps - x."""
+    mf = MeanFlow(teacher="unused", r_neq_t=0.0, adaptive_p=0.0, label_dropout=0.0)
+    student, teacher = tiny_dit(time_inputs=2, seed=1), tiny_dit(seed=2).requires_grad_(False)
+    x, y = torch.randn(3, 3, 8, 8), torch.tensor([0, 1, 2])
+    torch.manual_seed(0)
+    loss, _ = mf.loss(student, x, y, teacher=teacher)
+    torch.manual_seed(0)
+    t, _ = mf.sample_times(3, None)
+    z_t = mf.path.sample(x, torch.randn_like(x), t).x_t
+    with torch.no_grad():
+        expected = (student(z_t, t, t, y) - teacher(z_t, t, None, y)).square().flatten(1).sum(1).mean()
+    torch.testing.assert_close(loss, expected, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"teacher": ""}, "objective.teacher is not set"),
+    ({"teacher": "t", "teacher_cfg_scale": 0.5}, "teacher_cfg_scale must be >= 1.0"),
+    ({"teacher": "t", "fake_updates": 0}, "fake_updates >= 1"),
+    ({"teacher": "t", "fake_lr": 0.0}, "fake_lr must be"),
+])
+def test_bad_options_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        RCM(**kwargs)
+
+
+def test_meanflow_refuses_a_teacher_with_guidance_in_training():
+    with pytest.raises(ValueError, match="replaces guidance in training"):
+        MeanFlow(teacher="t", cfg_omega=2.0)

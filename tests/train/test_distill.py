@@ -1,0 +1,143 @@
+"""Distillation in the loop (objective=scd / rcm / meanflow with a teacher): the teacher stays frozen, the
+student starts from it, every network resumes bit-exactly, two gloo processes (DDP, FSDP2) train as one,
+a student samples without its teacher's file, and a bad teacher is one `error:` line with nothing written."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from typing import ClassVar
+
+import pytest
+import torch
+
+from flm.objectives import RCM
+from flm.objectives.teacher import check_teacher, load_teacher
+from flm.train import checkpoint
+
+from .conftest import ROOT, TINY, run_script
+from .test_loop import assert_same_state
+
+STUDENT = ["trainer.ckpt_every=2", "trainer.keep_last=0", "objective.warmup_steps=2"]
+
+
+@pytest.fixture(scope="module")
+def teacher(tmp_path_factory):
+    """A flow-matching run of the TINY model (DiT-T/4 on the shipped MNIST) and a MeanFlow run."""
+    tmp = tmp_path_factory.mktemp("teacher")
+    for objective in ("flow_matching", "meanflow"):
+        rc, _, err = run_script("train", *TINY, "trainer.max_steps=2", f"objective={objective}", f"run_dir={tmp / objective}")
+        assert rc == 0, err
+    return tmp
+
+
+def objective_of(name, teacher):
+    return [f"objective={name}", f"objective.teacher={teacher / 'flow_matching'}"]
+
+
+class Watched(RCM):
+    """rCM that keeps the teacher and the fake score it is handed, to look at after training."""
+
+    seen: ClassVar[dict] = {}
+
+    def loss(self, model, x, y=None, *, step=0, teacher, fake_score):
+        assert not any(p.requires_grad or p.grad is not None for p in teacher.parameters())
+        Watched.seen.update(teacher=teacher, fake_score=fake_score)
+        return super().loss(model, x, y, step=step, teacher=teacher, fake_score=fake_score)
+
+
+def test_the_teacher_stays_frozen_and_the_student_starts_from_it(tmp_path, teacher, train_run):
+    args = ["objective._target_=tests.train.test_distill.Watched", "~objective.name", "optim.lr=1e-12",
+            "trainer.ema_decays=[0.9]"]
+    train_run(tmp_path, objective_of("rcm", teacher) + STUDENT + args)
+    saved = Watched.seen["teacher"].state_dict()
+    bundle = checkpoint.load(checkpoint.find_checkpoint(str(teacher / "flow_matching")))
+    fresh = load_teacher(str(teacher / "flow_matching"), bundle["model_args"])
+    assert_same_state(saved, fresh.state_dict())  # unchanged after 4 steps
+    moved = [k for k, v in Watched.seen["fake_score"].state_dict().items() if not torch.equal(v, fresh.state_dict()[k])]
+    assert moved, "the fake score did not train"
+    student = checkpoint.load(checkpoint.find_checkpoint(str(tmp_path)))
+    for k, v in fresh.state_dict().items():  # lr 1e-12: the student is still its teacher
+        torch.testing.assert_close(student["model"][k], v, rtol=0, atol=1e-6)
+        torch.testing.assert_close(student["ema"]["0.9"][k], v, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["scd", "rcm", "meanflow"])
+def test_stop_and_resume_is_bit_exact_with_every_network(tmp_path, teacher, train_run, name):
+    common = objective_of(name, teacher) + STUDENT[:2] + (["objective.warmup_steps=2"] if name != "meanflow" else [])
+    common += ["trainer.grad_accum=2", "trainer.log_every=1"]
+    train_run(tmp_path / "whole", common)
+    train_run(tmp_path / "split", common + ["trainer.max_steps=2"])
+    train_run(tmp_path / "split", common + ["trainer.resume=auto"])
+    whole, split = (checkpoint.load(str(tmp_path / run / "checkpoints" / "ckpt-00000004.pt")) for run in ("whole", "split"))
+    assert ("fake_score.optimizer" in whole) == (name == "rcm") and "teacher" not in whole
+    for key in set(whole) - {"config"}:
+        assert_same_state(whole[key], split[key], key)
+    metrics = [json.loads(line) for line in open(tmp_path / "whole" / "metrics.jsonl")]
+    if name == "rcm":  # steps 1 and 3 update the fake score, steps 2 and 4 the student
+        assert ["fake_loss" in m for m in metrics] == [True, False, True, False]
+        assert ["dmd" in m and "grad_norm" in m for m in metrics] == [False, True, False, True]
+        assert "fake_score.grad_norm" in metrics[0]
+
+
+def test_a_student_samples_without_its_teachers_file(tmp_path, teacher, train_run):
+    shutil.copytree(teacher / "flow_matching", tmp_path / "teacher")
+    train_run(tmp_path / "student", ["objective=scd", f"objective.teacher={tmp_path / 'teacher'}"])
+    shutil.rmtree(tmp_path / "teacher")
+    rc, _, err = run_script("sample", f"ckpt={tmp_path / 'student'}", "n=2", "steps=2", "device=cpu")
+    assert rc == 0, err
+    assert list((tmp_path / "student" / "samples").glob("ckpt-00000004-ema-steps2-*.png"))
+
+
+@pytest.mark.parametrize("override, message", [
+    (["objective.teacher={tmp}/missing"], "does not exist"),
+    (["objective.teacher={teacher}/meanflow"], "was trained with objective 'meanflow', not flow_matching"),
+    (["objective.teacher={teacher}/flow_matching", "+data.resolution=16"], "image size 28 vs the student's 16"),
+    (["objective.teacher={teacher}/flow_matching", "trainer.class_conditional=false"],
+     "class count 10 vs the student's 0"),
+    (["objective.teacher={teacher}/flow_matching", "model=DiT-T/2"], "model size 'DiT-T/4' vs the student's 'DiT-T/2'"),
+])
+def test_a_bad_teacher_is_one_error_line_and_nothing_written(tmp_path, teacher, override, message):
+    run_dir = tmp_path / "student"
+    overrides = [o.format(tmp=tmp_path, teacher=teacher) for o in override]
+    rc, out, err = run_script("train", *TINY, "objective=scd", *overrides, f"run_dir={run_dir}")
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert rc != 0 and len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], err
+    assert not run_dir.exists()
+
+
+def test_a_teacher_of_another_channel_count_is_named():
+    bundle = {"config": {"objective": {"name": "flow_matching"}},
+              "model_args": {"name": "DiT-T/4", "input_size": 28, "in_channels": 1, "num_classes": 10, "time_scale": 1.0}}
+    student = {**bundle["model_args"], "in_channels": 3}
+    with pytest.raises(ValueError, match="channel count 1 vs the student's 3"):
+        check_teacher("t.pt", bundle, student)
+
+
+# ------------------------------------------------------------------------------------------------
+# Two processes (gloo): rCM, whose updates alternate and which owns a fake score with its own optimizer
+# ------------------------------------------------------------------------------------------------
+
+PARALLEL = {"ddp": [], "fsdp": ["trainer.parallel=fsdp"]}
+
+
+def test_two_processes_distil_as_one(tmp_path, teacher, train_run):
+    common = objective_of("rcm", teacher) + STUDENT + ["trainer.batch_size=8", "trainer.sample_n=2"]
+    train_run(tmp_path / "one", common + ["trainer.grad_accum=2"])
+    jobs = [[str(tmp_path / mode), TINY + common + extra] for mode, extra in PARALLEL.items()]
+    (tmp_path / "jobs.json").write_text(json.dumps(jobs))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(ROOT / "tests" / "train" / "ddp_worker.py"), str(tmp_path / "jobs.json")],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    one = checkpoint.load(str(tmp_path / "one" / "checkpoints" / "ckpt-00000004.pt"))
+    for mode in PARALLEL:
+        assert not (tmp_path / mode / "error.txt").exists(), (tmp_path / mode / "error.txt").read_text()
+        two = checkpoint.load(str(tmp_path / mode / "checkpoints" / "ckpt-00000004.pt"))
+        for key in ("model", "ema", "fake_score"):
+            torch.testing.assert_close(two[key], one[key], rtol=1e-5, atol=1e-6, msg=lambda m: f"{mode} {key}: {m}")
+        for key in ("optimizer", "fake_score.optimizer"):
+            torch.testing.assert_close(two[key]["state"], one[key]["state"], rtol=1e-5, atol=1e-7)
+        assert two["data"] == one["data"] and two["step"] == 4
