@@ -82,13 +82,22 @@ def run_objective(spec: str, args) -> dict:
         sh([sys.executable, "sample.py", f"ckpt={run_dir}", "n=100", f"steps={k}",
             f"out={os.path.join(args.out, f'{name}-{k}step')}"], log)
     return {"name": name, "objective": objective, "train_steps": steps, "step_ms": ms_final,
-            "gpu_s": steps * ms_final / 1000, "wall_s": wall, "overrides": overrides, "eval": fid}
+            "gpu_s": steps * ms_final / 1000, "wall_s": wall, "overrides": overrides, "eval": fid,
+            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU", "torch": torch.__version__,
+            "triton": triton_version(), "command": " ".join(sys.argv)}
+
+
+def triton_version() -> str:
+    try:
+        import triton
+    except ImportError:
+        return "-"
+    return triton.__version__
 
 
 def report(results: dict, path: str) -> None:
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
-    lines = [f"Device: {device}; torch {torch.__version__}. Command: `{' '.join(sys.argv)}`.", "",
-             "| run | objective | overrides | training steps | ms/step | GPU s | sampler steps | FID | label accuracy "
+    lines = [f"- `{r['name']}`: {r['device']}, torch {r['torch']}, Triton {r['triton']}; `{r['command']}`" for r in results.values()]
+    lines += ["", "| run | objective | overrides | training steps | ms/step | GPU s | sampler steps | FID | label accuracy "
              "| FID / FM 50-step |", "|---|---|---|---|---|---|---|---|---|---|"]
     base = None
     fm = [r for r in results.values() if r["objective"] == "flow_matching"]
@@ -120,12 +129,13 @@ def main() -> None:
     p.add_argument("--eval-batch", type=int, default=1000, help="evaluate.py's batch size")
     p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--work", default="/tmp/flm-quality", help="run folders")
+    p.add_argument("--report-only", action="store_true", help="rewrite quality.md from quality.json, run nothing")
     p.add_argument("--out", default="docs/quality", help="quality.json, quality.md, logs and grids")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
     results_path = os.path.join(args.out, "quality.json")
     results = json.load(open(results_path)) if os.path.exists(results_path) else {}
-    for spec in args.runs:
+    for spec in [] if args.report_only else args.runs:
         entry = run_objective(spec, args)
         results[entry["name"]] = entry
         with open(results_path, "w") as f:
