@@ -1,6 +1,6 @@
 """Train an image generator from the Hydra configs in configs/ (compose, build, run, close).
 
-    python train.py                                           # MeanFlow, DiT-Ti/7, shipped MNIST, CPU: ~3.5 min
+    python train.py                                           # MeanFlow, DiT-Ti/7, shipped MNIST, CPU: ~4.5 min
     python train.py objective=scm model=DiT-S/2 trainer.max_steps=20000
     python train.py experiment=cifar10_meanflow attention=triton_jvp
     python train.py run_dir=outputs/2025-01-01/12-00-00 trainer.resume=auto   # continue a run exactly

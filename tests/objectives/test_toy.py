@@ -37,8 +37,9 @@ def test_exact_map_of_the_mixture_lands_on_the_mixture(velocity):
         x0 = flow_map(trig_velocity(gmm, 0.5), 0.5 * n, math.atan(80 / 0.5), 0.0)
     data = gmm.sample(800, generator=g)
     floor = energy_distance(gmm.sample(800, generator=g), data)
-    assert energy_distance(x0, data) < 3 * floor + 2e-3
-    assert energy_distance(n, data) > 20 * floor  # the test can tell noise from data
+    tol = 3 * floor + 2e-3
+    assert energy_distance(x0, data) < tol
+    assert energy_distance(n, data) > 5 * tol  # the test can tell noise from data
 
 
 @pytest.fixture
