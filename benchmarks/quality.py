@@ -78,7 +78,7 @@ def run_objective(spec: str, args) -> dict:
         f"batch_size={args.eval_batch}", f"inception={args.inception}", f"data.root={args.data_root}", f"out={evals}"], log)
     with open(evals) as f:
         fid = json.load(f)
-    for k in sampler_steps[:2]:
+    for k in sampler_steps[:2] if args.grids else ():
         sh([sys.executable, "sample.py", f"ckpt={run_dir}", "n=100", f"steps={k}",
             f"out={os.path.join(args.out, f'{name}-{k}step')}"], log)
     return {"name": name, "objective": objective, "train_steps": steps, "step_ms": ms_final,
@@ -128,6 +128,7 @@ def main() -> None:
     p.add_argument("--attention", default="triton_jvp", help="attention backend (math for a CPU dry run)")
     p.add_argument("--eval-batch", type=int, default=1000, help="evaluate.py's batch size")
     p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--grids", action=argparse.BooleanOptionalAction, default=True, help="a 100-image grid per sampler")
     p.add_argument("--work", default="/tmp/flm-quality", help="run folders")
     p.add_argument("--report-only", action="store_true", help="rewrite quality.md from quality.json, run nothing")
     p.add_argument("--out", default="docs/quality", help="quality.json, quality.md, logs and grids")
