@@ -51,7 +51,7 @@ def run(cfg: DictConfig) -> dict:
     bundle = checkpoint.load(path)
     run_cfg = bundle["config"]
     device = dist.init(cfg.device)
-    model, objective = load_generator(bundle, weights=cfg.weights, ema_decay=cfg.ema_decay, attention=cfg.attention,
+    model, objective = load_generator(bundle, weights=cfg.weights, ema_decay=cfg.ema_decay, ema=cfg.ema, attention=cfg.attention,
                                       device=device, source=path)
     steps = parse_steps(cfg.steps if cfg.steps is not None else sampler_steps(bundle, objective, path))
     args = bundle["model_args"]
@@ -65,7 +65,7 @@ def run(cfg: DictConfig) -> dict:
     if not dist.is_main():
         return results
     report = {
-        "checkpoint": os.path.abspath(path), "weights": cfg.weights, "ema_decay": cfg.ema_decay, "n": n,
+        "checkpoint": os.path.abspath(path), "weights": cfg.weights, "ema_decay": cfg.ema_decay, "ema": cfg.ema, "n": n,
         "cfg_scale": cfg.cfg_scale, "seed": cfg.seed, "reference": evaluator.reference.describe(),
         "reference_n": evaluator.reference.n, "inception": evaluator.net.name, "results": results,
         "options": OmegaConf.to_container(cfg, resolve=True),

@@ -37,6 +37,7 @@ class SampleConfig:
     seed: int = 0
     batch_size: int = 64
     weights: str = "ema"
+    ema: str | float | None = None
     ema_decay: float | None = None
     attention: str = "auto"
     device: str = "auto"
@@ -57,7 +58,7 @@ def run(cfg: DictConfig) -> str:
     path = checkpoint.find_checkpoint(cfg.ckpt)
     bundle = checkpoint.load(path)
     device = dist.init(cfg.device)
-    model, objective = load_generator(bundle, weights=cfg.weights, ema_decay=cfg.ema_decay, attention=cfg.attention,
+    model, objective = load_generator(bundle, weights=cfg.weights, ema_decay=cfg.ema_decay, ema=cfg.ema, attention=cfg.attention,
                                       device=device, source=path)
 
     steps = cfg.steps if cfg.steps is not None else sampler_steps(bundle, objective, path)

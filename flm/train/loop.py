@@ -80,7 +80,8 @@ def build_state(model_args: dict, objective, optim: OptimConfig, trainer: Traine
     for name in [name for name, network in objective.networks.items() if network.model_init]:
         start_from(raw, nets[name])  # a distillation's student starts as its teacher
     # the EMA copies first: under FSDP2, wrap() shards raw in place (and wrap_copy shards the copies alike)
-    ema = EMA(raw, trainer.ema_decays, wrap=lambda m: wrap_copy(m, device, trainer.parallel))
+    ema = EMA(raw, trainer.ema_decays, wrap=lambda m: wrap_copy(m, device, trainer.parallel),
+              sigma_rels=trainer.ema_sigma_rels)
     model = wrap(raw, device, trainer.parallel)
     if trainer.compile:
         model = torch.compile(model)
@@ -156,7 +157,7 @@ class Meter:
 
 def sample_grid(state: TrainState, trainer: TrainerConfig, run_dir: str, run_log: RunLogger, **generate_args) -> None:
     """The EMA's samples of fixed seeds and labels; every rank samples (FSDP2 gathers), rank 0 writes."""
-    images = generate(state.ema.default, state.objective, seeds=list(range(trainer.sample_n)),
+    images = generate(state.sampled, state.objective, seeds=list(range(trainer.sample_n)),
                       cfg_scale=trainer.sample_cfg_scale, **generate_args)
     if dist.is_main():
         path = os.path.join(run_dir, "samples", f"step-{state.step:08d}.png")
@@ -253,7 +254,7 @@ def train(*, run_dir: str, model: ModelConfig, objective: Objective, data: DataC
                 run_log.log(state.step, metrics)
             if state.step == trainer.max_steps or (trainer.sample_every and state.step % trainer.sample_every == 0):
                 sample_grid(state, trainer, run_dir, run_log, **grid)
-            in_loop_eval(state.step, state.ema.default, objective, run_log)
+            in_loop_eval(state.step, state.sampled, objective, run_log)
             if saves:
                 state.save(run_dir, trainer.keep_last)
     finally:
