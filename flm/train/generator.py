@@ -5,6 +5,8 @@ and its objective (the sampler). Nothing in a checkpoint names a callable that g
     model, objective = load_generator(bundle, weights="ema", device=device)
 """
 
+import os
+
 import torch
 
 from flm.models import build_model
@@ -65,3 +67,22 @@ def load_generator(bundle: dict, *, weights: str = "ema", ema_decay: float | Non
     model = build_model(**{**plain(bundle["model_args"], f"{source}: model_args"), "attention": attention})
     model.load_state_dict(generator_state(bundle, weights, ema_decay, ema))
     return model.to(device).eval(), objective
+
+
+def open_generator(ckpt: str) -> tuple[dict, str]:
+    """(bundle, its path) of a run folder, a checkpoint file or an exported folder (flm.train.export)."""
+    from flm.train import checkpoint
+    from flm.train.export import is_export, load_export
+
+    if is_export(ckpt):
+        return load_export(ckpt), os.path.abspath(ckpt)
+    path = checkpoint.find_checkpoint(ckpt)
+    return checkpoint.load(path), path
+
+
+def output_base(path: str) -> tuple[str, str]:
+    """(folder, stem) of what sample.py and evaluate.py write for `path`: a run's folder and the checkpoint's
+    name, or an exported folder itself and "export"."""
+    if os.path.isdir(path):
+        return path, "export"
+    return os.path.dirname(os.path.dirname(os.path.abspath(path))), os.path.splitext(os.path.basename(path))[0]

@@ -40,6 +40,7 @@ from torch import nn
 from flm import dist
 from flm.data import DataConfig, Loader, mix_seed
 from flm.files import lock_folder, unlock_folder
+from flm.latents import Decoder, LatentFiles, reference_source
 from flm.log import LoggerConfig, RunLogger, progress_line
 from flm.models import ModelConfig, build_model
 from flm.objectives import Objective
@@ -186,6 +187,11 @@ def train(*, run_dir: str, model: ModelConfig, objective: Objective, data: DataC
     resume_from = checkpoint.resolve_resume(trainer.resume, run_dir)
 
     dataset = data.build()
+    decoder, reference = None, data
+    if isinstance(dataset, LatentFiles):  # samples are decoded by the folder's VAE; the record goes with every checkpoint
+        config = {**(config or {}), "latents": dataset.info.as_dict()}
+        decoder = Decoder(dataset.info, device)
+        reference = dataclasses.replace(data, **reference_source(dataset.info.as_dict()))  # FID: the source images
     num_classes = dataset.num_classes if trainer.class_conditional else 0
     model_args = model.args(input_size=dataset.resolution, in_channels=dataset.channels, num_classes=num_classes,
                             time_inputs=objective.time_inputs)
@@ -209,9 +215,9 @@ def train(*, run_dir: str, model: ModelConfig, objective: Objective, data: DataC
     steps = trainer.sample_steps or objective.sample_steps
     per_rank = micro_batch * trainer.grad_accum  # images per rank per step: the sampling batch
     grid = dict(labels=class_labels(trainer.sample_n, num_classes), shape=shape, steps=steps, batch_size=per_rank,
-                device=device, amp_dtype=dtype)
-    in_loop_eval = InTraining(trainer, data, shape=shape, num_classes=num_classes, device=device, amp_dtype=dtype,
-                              batch_size=per_rank, sample_steps=steps)
+                device=device, amp_dtype=dtype, decode=decoder)
+    in_loop_eval = InTraining(trainer, reference, shape=shape, num_classes=num_classes, device=device, amp_dtype=dtype,
+                              batch_size=per_rank, sample_steps=steps, decoder=decoder)
     run_log = RunLogger(run_dir, logger, run_config=config, resumed_at=state.step if resume_from else None)
 
     def loss_and_backward(x, y, step):
