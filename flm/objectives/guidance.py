@@ -7,6 +7,8 @@ The guidance interval (Kynkaanniemi et al. 2024) guides only where the time lies
 t in [0, pi/2] for sCM); elsewhere the conditional output is used as it is.
 """
 
+from collections.abc import Sequence
+
 import torch
 
 
@@ -52,7 +54,7 @@ def check_interval(interval, name: str = "cfg_interval") -> tuple[float, float] 
     """[t_min, t_max] as a tuple of floats (None: guidance at every time)."""
     if interval is None:
         return None
-    values = list(interval) if isinstance(interval, (list, tuple)) else [interval]
+    values = list(interval) if isinstance(interval, Sequence) and not isinstance(interval, str) else [interval]
     if len(values) != 2 or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values) \
             or not values[0] <= values[1]:
         raise ValueError(f"{name} must be [t_min, t_max] with t_min <= t_max (null: every time), got {interval!r}")
