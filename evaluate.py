@@ -5,9 +5,13 @@ statistics, per step count, and the digit classifier's label accuracy on MNIST-l
     python evaluate.py ckpt=RUN steps=[1,2] cfg_scale=1.5 weights=raw data.root=data
     FLM_FID_INCEPTION=data/fid/inception-2015-12-05-fid.torchscript.pt python evaluate.py ckpt=RUN
     torchrun --standalone --nproc_per_node=8 evaluate.py ckpt=RUN n=50000           # ranks split the images
+    python evaluate.py ckpt=LATENT_RUN n=50000 ref=VIRTUAL_imagenet256_labeled.npz   # ADM's reference batch
+    python evaluate.py ckpt=EXPORTED_FOLDER n=10000                                 # export.py's folder
 
 The reference is the run's dataset (test split for MNIST and Fashion-MNIST, train for CIFAR-10), its
-statistics cached in fid_cache ($FLM_FID_CACHE, default ~/.cache/flm/fid) after the first use. Prints a
+statistics cached in fid_cache ($FLM_FID_CACHE, default ~/.cache/flm/fid) after the first use; a latent run's
+are those of the images its latents were encoded from (data.root= names their folder), its samples decoded
+through its VAE. Prints a
 table and writes a JSON (default <run folder>/eval/<checkpoint>-<weights>-cfg<s>-seed<seed>-n<n>.json).
 Bad input ends with one line `error: ...` and exit code 1.
 """
@@ -21,15 +25,18 @@ from omegaconf import DictConfig, OmegaConf
 
 from flm import dist
 from flm.data import DataConfig
-from flm.train import checkpoint
+from flm.latents import decoder_of, reference_source
 from flm.train.cli import report_user_errors
 from flm.train.evaluation import Evaluator, check_n, parse_steps
-from flm.train.generator import load_generator, sampler_steps
+from flm.train.generator import load_generator, open_generator, output_base, sampler_steps
 from flm.train.settings import amp_dtype
 
 
 def run_data(run_cfg: dict, root: str | None) -> DataConfig:
-    """The run's dataset from its stored config (plain values only), `root` overriding its folder."""
+    """The run's dataset from its stored config (plain values only), `root` overriding its folder; for a latent
+    run, the images its latents were encoded from."""
+    if run_cfg.get("latents"):
+        return DataConfig(**reference_source(run_cfg["latents"], root))
     stored = run_cfg.get("data") or {}
     known = {f.name for f in dataclasses.fields(DataConfig)}
     data = DataConfig(**{k: v for k, v in stored.items() if k in known})
@@ -47,11 +54,10 @@ def table(results: dict, steps: list[int]) -> str:
 
 def run(cfg: DictConfig) -> dict:
     n = check_n(cfg.n)
-    path = checkpoint.find_checkpoint(str(cfg.ckpt))
-    bundle = checkpoint.load(path)
+    bundle, path = open_generator(str(cfg.ckpt))
     run_cfg = bundle["config"]
     device = dist.init(cfg.device)
-    model, objective = load_generator(bundle, weights=cfg.weights, ema_decay=cfg.ema_decay, attention=cfg.attention,
+    model, objective = load_generator(bundle, weights=cfg.weights, ema_decay=cfg.ema_decay, ema=cfg.ema, attention=cfg.attention,
                                       device=device, source=path)
     steps = parse_steps(cfg.steps if cfg.steps is not None else sampler_steps(bundle, objective, path))
     args = bundle["model_args"]
@@ -59,19 +65,19 @@ def run(cfg: DictConfig) -> dict:
                           shape=(args["in_channels"], args["input_size"], args["input_size"]),
                           num_classes=args["num_classes"], n=n, steps=steps, cfg_scale=cfg.cfg_scale, seed=cfg.seed,
                           batch_size=cfg.batch_size, device=device, amp_dtype=amp_dtype(cfg.precision, device),
-                          inception=cfg.inception, cache=cfg.fid_cache, split=cfg.data.split, ref=cfg.ref)
+                          inception=cfg.inception, cache=cfg.fid_cache, split=cfg.data.split, ref=cfg.ref,
+                          decoder=decoder_of(run_cfg, device, path))
     del bundle
     results = evaluator(model, objective)
     if not dist.is_main():
         return results
     report = {
-        "checkpoint": os.path.abspath(path), "weights": cfg.weights, "ema_decay": cfg.ema_decay, "n": n,
+        "checkpoint": os.path.abspath(path), "weights": cfg.weights, "ema_decay": cfg.ema_decay, "ema": cfg.ema, "n": n,
         "cfg_scale": cfg.cfg_scale, "seed": cfg.seed, "reference": evaluator.reference.describe(),
         "reference_n": evaluator.reference.n, "inception": evaluator.net.name, "results": results,
         "options": OmegaConf.to_container(cfg, resolve=True),
     }
-    run_dir = os.path.dirname(os.path.dirname(os.path.abspath(path)))
-    stem = os.path.splitext(os.path.basename(path))[0]
+    run_dir, stem = output_base(path)
     out = cfg.out or os.path.join(run_dir, "eval", f"{stem}-{cfg.weights}-cfg{cfg.cfg_scale:g}-seed{cfg.seed}-n{n}.json")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(f"{out}.tmp", "w") as f:

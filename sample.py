@@ -3,11 +3,14 @@
     python sample.py ckpt=outputs/2025-01-01/12-00-00                # latest checkpoint of a run, EMA weights
     python sample.py ckpt=RUN steps=2 n=64 cfg_scale=1.5 seed=100
     python sample.py ckpt=RUN/checkpoints/ckpt-00001500.pt weights=raw label=3
+    python sample.py ckpt=RUN ema=sigma_rel0.05                     # a power-function EMA, by name
+    python sample.py ckpt=EXPORTED_FOLDER                           # export.py's folder (model.safetensors, config.json)
 
 Writes <out>.png (a grid) and <out>.npz (images uint8 (N, H, W, C), seeds, labels); by default
 <run folder>/samples/<checkpoint>-<weights>-steps<k>-cfg<s>-seed<seed>-n<n>.*. Image i is drawn from
 seed + i with its own generator (multi-step sCM's re-noising included), so the images do not depend
-on batch_size.
+on batch_size. A latent run's samples are decoded through its VAE (diffusers; the VAE id or folder
+its latents were prepared with): the PNG and the .npz hold the decoded images.
 """
 
 import os
@@ -17,9 +20,9 @@ import hydra
 from omegaconf import DictConfig
 
 from flm import dist
-from flm.train import checkpoint
+from flm.latents import decoder_of
 from flm.train.cli import report_user_errors
-from flm.train.generator import load_generator, sampler_steps
+from flm.train.generator import load_generator, open_generator, output_base, sampler_steps
 from flm.train.sampling import class_labels, generate, save_grid, save_npz
 from flm.train.settings import amp_dtype
 from flm.typed import check_fields
@@ -37,6 +40,7 @@ class SampleConfig:
     seed: int = 0
     batch_size: int = 64
     weights: str = "ema"
+    ema: float | str | None = None
     ema_decay: float | None = None
     attention: str = "auto"
     device: str = "auto"
@@ -54,11 +58,11 @@ class SampleConfig:
 
 def run(cfg: DictConfig) -> str:
     cfg = SampleConfig(**cfg)
-    path = checkpoint.find_checkpoint(cfg.ckpt)
-    bundle = checkpoint.load(path)
+    bundle, path = open_generator(cfg.ckpt)
     device = dist.init(cfg.device)
-    model, objective = load_generator(bundle, weights=cfg.weights, ema_decay=cfg.ema_decay, attention=cfg.attention,
+    model, objective = load_generator(bundle, weights=cfg.weights, ema_decay=cfg.ema_decay, ema=cfg.ema, attention=cfg.attention,
                                       device=device, source=path)
+    decoder = decoder_of(bundle.get("config"), device, path)
 
     steps = cfg.steps if cfg.steps is not None else sampler_steps(bundle, objective, path)
     seeds = list(range(cfg.seed, cfg.seed + cfg.n))
@@ -68,10 +72,9 @@ def run(cfg: DictConfig) -> str:
     images = generate(model, objective, seeds=seeds, labels=labels,
                       shape=(args["in_channels"], args["input_size"], args["input_size"]),
                       steps=steps, cfg_scale=cfg.cfg_scale, batch_size=cfg.batch_size, device=device,
-                      amp_dtype=amp_dtype(cfg.precision, device))
+                      amp_dtype=amp_dtype(cfg.precision, device), decode=decoder)
 
-    run_dir = os.path.dirname(os.path.dirname(os.path.abspath(path)))
-    stem = os.path.splitext(os.path.basename(path))[0]
+    run_dir, stem = output_base(path)
     out = cfg.out or os.path.join(run_dir, "samples",
                                   f"{stem}-{cfg.weights}-steps{steps}-cfg{cfg.cfg_scale:g}-seed{cfg.seed}-n{cfg.n}")
     save_grid(images, out + ".png", nrow=10 if num_classes == 10 else None)

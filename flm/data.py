@@ -6,7 +6,8 @@
     x, y = loader.next()                                        # x (B, C, H, W) in [-1, 1], y (B,)
 
 Every dataset yields images as float tensors in [-1, 1] and integer class labels, and exposes
-`resolution`, `channels` and `num_classes`. The loader draws each epoch as one permutation from
+`resolution`, `channels` and `num_classes`; `latents` (a folder of prepare_latents.py, flm.latents) yields
+VAE latents instead, its `resolution` and `channels` the latents'. The loader draws each epoch as one permutation from
 (seed, epoch), splits every global batch across ranks, and remembers how many batches it has handed
 out, so a resumed run (under any world size) sees exactly the batches it would have seen.
 """
@@ -22,7 +23,7 @@ import torch.nn.functional as F
 
 from flm.typed import check_fields
 
-DATASETS = ("mnist_shipped", "mnist", "fashion_mnist", "cifar10", "imagefolder")
+DATASETS = ("mnist_shipped", "mnist", "fashion_mnist", "cifar10", "imagefolder", "latents")
 
 SPLITS = ("train", "test")
 
@@ -50,6 +51,8 @@ _FETCH_HINT = {
 class ImageTensors(torch.utils.data.Dataset):
     """Images held in memory as uint8 (N, C, H, W) with labels (N,)."""
 
+    stored_flips = False  # the loader flips the images (flm.latents.LatentFiles stores flipped copies instead)
+
     def __init__(self, images_u8: torch.Tensor, labels: torch.Tensor, num_classes: int):
         assert images_u8.dtype == torch.uint8 and images_u8.dim() == 4, images_u8.shape
         self.images, self.labels, self.num_classes = images_u8, labels.long(), num_classes
@@ -68,6 +71,8 @@ class ImageTensors(torch.utils.data.Dataset):
 
 class ImageFiles(torch.utils.data.Dataset):
     """torchvision ImageFolder (root/class_name/*.png|jpg...), resized and centre-cropped, read lazily."""
+
+    stored_flips = False
 
     def __init__(self, root: str, resolution: int, channels: int = 3):
         import torchvision.transforms as T
@@ -107,6 +112,8 @@ class ImageFiles(torch.utils.data.Dataset):
 
 class Resized(torch.utils.data.Dataset):
     """A dataset's images resized (bilinear, antialiased) to side x side."""
+
+    stored_flips = False
 
     def __init__(self, dataset, side: int):
         self.dataset, self.resolution = dataset, side
@@ -182,12 +189,13 @@ def _torchvision(name: str, root: str, download: bool, split: str = "train") -> 
 
 
 def build_dataset(name: str, *, root: str = "data", download: bool = True, resolution: int | None = None,
-                  channels: int = 3, split: str = "train"):
+                  channels: int = 3, split: str = "train", vae: str | None = None):
     """One of DATASETS. `root` holds torchvision's layout (or the class folders for imagefolder);
     `resolution`: imagefolder's images are resized and centre-cropped to it as they are read, the other
     datasets' resized to it (None: their own size); `channels` applies to imagefolder only. `split`:
     train or test for the torchvision datasets (mnist_shipped is MNIST's test split, imagefolder has one
-    split: all its images)."""
+    split: all its images). latents: `root` is a latent folder, `resolution` and `vae` what it must have been
+    prepared with (None: whatever it was)."""
     if name not in DATASETS:
         raise ValueError(f"unknown dataset {name!r}; valid names: {', '.join(DATASETS)}")
     if split not in SPLITS:
@@ -199,6 +207,10 @@ def build_dataset(name: str, *, root: str = "data", download: bool = True, resol
             f"dataset folder {root!r} does not exist (absolute: {os.path.abspath(root)!r}); create it and "
             f"put the {name} files there, or set data.root=<folder that has them>"
         )
+    if name == "latents":
+        from flm.latents import LatentFiles
+
+        return LatentFiles(root, resolution=resolution, vae=vae)
     if name == "imagefolder":
         if resolution is None or resolution <= 0:
             raise ValueError(f"data.resolution must be a positive integer for imagefolder, got {resolution}")
@@ -218,12 +230,13 @@ class DataConfig:
     """What `data=` selects: the dataset and how the loader reads it."""
 
     name: str = "mnist_shipped"
-    root: str = "data"  # torchvision's layout under it, or class folders for imagefolder
+    root: str = "data"  # torchvision's layout under it, class folders for imagefolder, a latent folder for latents
     download: bool = True  # torchvision datasets only; a clear error says where to put the files offline
     resolution: int | None = None  # image side; null: the dataset's own (imagefolder: resize and centre-crop to it)
     channels: int = 3  # imagefolder: 1 (grey) or 3 (RGB)
     hflip: bool = False  # random horizontal flips (not for digits)
     num_workers: int = 0  # DataLoader worker processes; 0 reads in the training process
+    vae: str | None = None  # latents: the VAE the folder must have been encoded with; null: the folder's
 
     def __post_init__(self):
         check_fields(self, "data")
@@ -236,7 +249,7 @@ class DataConfig:
 
     def build(self):
         return build_dataset(self.name, root=self.root, download=self.download, resolution=self.resolution,
-                             channels=self.channels)
+                             channels=self.channels, vae=self.vae)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -261,7 +274,8 @@ class Loader:
     whole number of optimizer steps (`grad_accum` batches each; the rest of the dataset is dropped),
     so with the same global batch per step (batch_size x world_size x grad_accum) every world size
     sees the same images at the same step. The random horizontal flips are drawn with the
-    permutation, so both depend on the global position only. The position (state_dict) counts
+    permutation, so both depend on the global position only (a latent dataset reads its stored flipped
+    copy, index i + N, instead of flipping the latent). The position (state_dict) counts
     images, so it stays valid when a run resumes under another world size.
     """
 
@@ -302,8 +316,12 @@ class Loader:
         perm, flips = self._epoch_plan(self.epoch)
         # rank r's slice of global batch b: [b * global_batch + r * batch_size, ... + batch_size)
         starts = [b * self.global_batch + self.rank * self.batch_size for b in range(self.batch, self.batches_per_epoch)]
-        index_lists = [perm[s: s + self.batch_size].tolist() for s in starts]
+        index_lists = [perm[s: s + self.batch_size] for s in starts]
         flip_lists = [flips[s: s + self.batch_size] for s in starts]
+        stored = self.hflip and getattr(self.dataset, "stored_flips", False)  # a dataset of the user's may not say
+        if stored:
+            index_lists = [idx + len(self.dataset) * flip for idx, flip in zip(index_lists, flip_lists)]
+        index_lists = [idx.tolist() for idx in index_lists]
         if self.num_workers > 0:
             batches = torch.utils.data.DataLoader(
                 self.dataset, batch_sampler=index_lists, num_workers=self.num_workers,
@@ -312,7 +330,7 @@ class Loader:
         else:
             batches = (self.dataset.__getitems__(idx) for idx in index_lists)
         for (x, y), flip in zip(batches, flip_lists):
-            if self.hflip:
+            if self.hflip and not stored:
                 x = torch.where(flip[:, None, None, None], x.flip(-1), x)
             yield x, y
 

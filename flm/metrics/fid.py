@@ -229,15 +229,30 @@ def check_stats(stats: Stats, *, source: str, dataset: str, split: str, resoluti
         raise ValueError(f"reference statistics {source!r} are malformed: mu {stats.mu.shape}, sigma {stats.sigma.shape}")
 
 
+def _npz_array_shape(path: str, name: str) -> tuple[int, ...]:
+    """The shape of array `name` of an .npz, read from its header (ADM's reference images are gigabytes)."""
+    import zipfile
+
+    with zipfile.ZipFile(path) as z, z.open(f"{name}.npy") as f:
+        version = np.lib.format.read_magic(f)
+        read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        return tuple(read_header(f)[0])
+
+
 def read_stats(path: str, net: FeatureNet, *, batch_size: int = 200) -> Stats:
     """Statistics from an .npz: flm's (mu, sigma and what they were computed from), ADM's reference
-    batches (`mu`, `sigma` only), or images (`arr_0`, uint8 (N, H, W, C)), whose features are computed here."""
+    batches (`mu` and `sigma`, with their images in `arr_0`: the resolution is read from those images'
+    shape, so a batch of another resolution is refused), or images (`arr_0`, uint8 (N, H, W, C)), whose
+    features are computed here."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"reference statistics {path!r} not found; pass an .npz with mu and sigma (or arr_0 images)")
     with np.load(path, allow_pickle=False) as f:
         if "mu" in f and "sigma" in f:
             meta = {k: f[k].item() for k in _META if k in f and f[k].item() != ""}
             meta |= {k: int(meta[k]) for k in ("n", "resolution") if k in meta}
+            if "arr_0" in f and "resolution" not in meta:  # ADM's reference batch: (N, H, W, C) images beside the moments
+                shape = _npz_array_shape(path, "arr_0")
+                meta |= {"resolution": int(shape[1]), "n": int(shape[0])}
             return Stats(f["mu"], f["sigma"], **meta)
         if "arr_0" in f:
             images = f["arr_0"]

@@ -35,7 +35,7 @@ import math
 import torch
 from torch import nn
 
-from flm.objectives.guidance import check_cfg, drop_labels, guided
+from flm.objectives.guidance import check_cfg, check_interval, drop_labels, guided
 from flm.objectives.jvp import check_jvp_mode, jvp
 from flm.objectives.paths import (
     TrigFlowPath, bcast, check_probability, check_std, lognormal_trigflow, randn_per_image,
@@ -75,6 +75,7 @@ class SCM(nn.Module):
         sigma_max: t_max = arctan(sigma_max / sigma_d) is where sampling starts.
         mid_t: intermediate times for multi-step sampling, used when steps == len(mid_t) + 1
             (paper: (1.1,) for 2 steps); other step counts space times uniformly in t.
+        cfg_interval: [t_min, t_max] in TrigFlow time: the sampler guides only there; null: at every t.
     """
 
     time_inputs = 1
@@ -94,6 +95,7 @@ class SCM(nn.Module):
         jvp_mode: str = "dual",
         sigma_max: float = 80.0,
         mid_t: tuple[float, ...] = (1.1,),
+        cfg_interval: tuple[float, float] | None = None,
     ):
         super().__init__()
         check_std("sigma_d", sigma_d)
@@ -109,6 +111,7 @@ class SCM(nn.Module):
         self.tangent_c, self.warmup_steps, self.label_dropout = tangent_c, warmup_steps, label_dropout
         self.jvp_mode = check_jvp_mode(jvp_mode)
         self.mid_t = tuple(float(t) for t in mid_t)
+        self.cfg_interval = check_interval(cfg_interval)
         self.path = TrigFlowPath(sigma_d)
         self.logvar = LogVar(logvar_channels)
 
@@ -123,7 +126,7 @@ class SCM(nn.Module):
     def network_output(self, model, x_in, t, y, cfg_scale: float = 1.0):
         """F(x_t / sigma_d, t) at x_in = x_t / sigma_d: the model itself (sCD converts a flow-matching
         network, flm.objectives.distillation)."""
-        return guided(model, x_in, t, None, y, cfg_scale)
+        return guided(model, x_in, t, None, y, cfg_scale, self.cfg_interval)
 
     def loss(self, model, x, y=None, *, step=0):
         y = drop_labels(model, y, self.label_dropout)

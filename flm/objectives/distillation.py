@@ -45,7 +45,7 @@ from flm.objectives.consistency import SCM
 from flm.objectives.guidance import drop_labels, guided
 from flm.objectives.paths import LinearPath, bcast, check_std, logit_normal, lognormal_trigflow
 from flm.objectives.protocol import Network
-from flm.objectives.teacher import load_teacher, teacher_velocity, trigflow_velocity
+from flm.objectives.teacher import flow_time, load_teacher, teacher_velocity, trigflow_velocity
 
 
 def check_teacher_cfg(cfg_scale: float) -> float:
@@ -72,8 +72,11 @@ class SCD(SCM):
         self.networks = {"teacher": Network(build=functools.partial(load_teacher, self.teacher), model_init=True)}
 
     def network_output(self, model, x_in, t, y, cfg_scale: float = 1.0):
-        """F of a flow-matching network (the module docstring; guidance is linear, so it commutes)."""
-        velocity = lambda x_s, s: guided(model, x_s, s, None, y, cfg_scale)  # noqa: E731
+        """F of a flow-matching network (the module docstring; guidance is linear, so it commutes). The guidance
+        interval is in TrigFlow time, as sCM's: the network sees it at the flow-matching times it maps to."""
+        interval = None if self.cfg_interval is None else tuple(
+            flow_time(torch.tensor(v, dtype=torch.float64), self.sigma_d).item() for v in self.cfg_interval)
+        velocity = lambda x_s, s: guided(model, x_s, s, None, y, cfg_scale, interval)  # noqa: E731
         return trigflow_velocity(velocity, self.sigma_d * x_in, t, self.sigma_d) / self.sigma_d
 
     def teacher_dxdt(self, teacher, x_t, t, y):

@@ -12,7 +12,7 @@ the model predicts the velocity v = eps - x; samplers integrate dx/dt = v from t
 import torch
 from torch import nn
 
-from flm.objectives.guidance import check_cfg, drop_labels, guided
+from flm.objectives.guidance import check_cfg, check_interval, drop_labels, guided
 from flm.objectives.paths import LinearPath, check_probability, check_std, logit_normal, time_grid
 from flm.objectives.protocol import NO_NETWORKS
 
@@ -27,6 +27,7 @@ class FlowMatching(nn.Module):
         label_dropout: probability of replacing a label by the null class (CFG training); used only
             when labels are given, the class count is read from the model (`model.num_classes`).
         sampler: "euler" (steps evaluations) or "heun" (2 * steps evaluations) for `sample`.
+        cfg_interval: [t_min, t_max], guide only there (flm.objectives.guidance); null: at every t.
 
     No parameters or state; it is an nn.Module so that every objective moves and saves alike.
     """
@@ -35,13 +36,15 @@ class FlowMatching(nn.Module):
     sample_steps = 50
     networks = NO_NETWORKS
 
-    def __init__(self, *, t_mean: float = 0.0, t_std: float = 1.0, label_dropout: float = 0.1, sampler: str = "euler"):
+    def __init__(self, *, t_mean: float = 0.0, t_std: float = 1.0, label_dropout: float = 0.1, sampler: str = "euler",
+                 cfg_interval: tuple[float, float] | None = None):
         super().__init__()
         check_std("t_std", t_std)
         check_probability("label_dropout", label_dropout)
         if sampler not in SAMPLERS:
             raise ValueError(f"unknown sampler {sampler!r}; valid samplers: {', '.join(SAMPLERS)}")
         self.t_mean, self.t_std, self.label_dropout, self.sampler = t_mean, t_std, label_dropout, sampler
+        self.cfg_interval = check_interval(cfg_interval)
         self.path = LinearPath()
 
     def loss(self, model, x, y=None, *, step: int = 0):
@@ -61,7 +64,7 @@ class FlowMatching(nn.Module):
         check_cfg(model, y, cfg_scale)
         ts = time_grid(steps, 1.0, 0.0, device=noise.device)
         x = noise
-        velocity = lambda x, t: guided(model, x, t.expand(x.shape[0]), None, y, cfg_scale).float()  # noqa: E731
+        velocity = lambda x, t: guided(model, x, t.expand(x.shape[0]), None, y, cfg_scale, self.cfg_interval).float()  # noqa: E731
         for t, t_next in zip(ts[:-1], ts[1:]):
             v = velocity(x, t)
             if self.sampler == "heun":

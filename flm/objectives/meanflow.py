@@ -34,7 +34,7 @@ import functools
 import torch
 from torch import nn
 
-from flm.objectives.guidance import check_cfg, drop_labels, guided, null_labels, num_classes
+from flm.objectives.guidance import check_cfg, check_interval, drop_labels, guided, in_interval, null_labels, num_classes
 from flm.objectives.jvp import check_jvp_mode, jvp
 from flm.objectives.paths import LinearPath, bcast, check_probability, check_std, logit_normal, time_grid
 from flm.objectives.protocol import NO_NETWORKS, Network
@@ -58,6 +58,8 @@ class MeanFlow(nn.Module):
         jvp_mode: "dual" (one dual pass) or "two_pass" (no-grad JVP pass + gradient pass).
         teacher: a flow-matching run folder or checkpoint whose velocity replaces v (null: none).
         teacher_cfg_scale: the teacher's classifier-free guidance (1.0: none).
+        cfg_interval: [t_min, t_max]: guidance in training and the sampler's guidance only for t in it
+            (flm.objectives.guidance); null: at every t.
 
     No parameters or state.
     """
@@ -81,6 +83,7 @@ class MeanFlow(nn.Module):
         jvp_mode: str = "dual",
         teacher: str | None = None,
         teacher_cfg_scale: float = 1.0,
+        cfg_interval: tuple[float, float] | None = None,
     ):
         super().__init__()
         check_std("t_std", t_std)
@@ -107,6 +110,7 @@ class MeanFlow(nn.Module):
         if not teacher_cfg_scale >= 1.0:
             raise ValueError(f"teacher_cfg_scale must be >= 1.0 (1.0: no guidance), got {teacher_cfg_scale!r}")
         self.teacher, self.teacher_cfg_scale = teacher, teacher_cfg_scale
+        self.cfg_interval = check_interval(cfg_interval)
         if teacher:
             self.networks = {"teacher": Network(build=functools.partial(load_teacher, teacher), model_init=True)}
 
@@ -131,8 +135,8 @@ class MeanFlow(nn.Module):
         v = self.cfg_omega * s.dx_t + (1 - self.cfg_omega - self.cfg_kappa) * u_null
         if self.cfg_kappa:
             v = v + self.cfg_kappa * model(s.x_t, t, t, y).float()
-        dropped = bcast(y_in == null_labels(model, y), v)
-        return torch.where(dropped, s.dx_t, v)
+        keep = bcast((y_in == null_labels(model, y)) | ~in_interval(t, self.cfg_interval), v)
+        return torch.where(keep, s.dx_t, v)
 
     def loss(self, model, x, y=None, *, step: int = 0, teacher=None):
         y_in = drop_labels(model, y, self.label_dropout)
@@ -169,6 +173,6 @@ class MeanFlow(nn.Module):
         z = noise
         for t, r in zip(ts[:-1], ts[1:]):
             n = z.shape[0]
-            u = guided(model, z, t.expand(n), r.expand(n), y, cfg_scale).float()
+            u = guided(model, z, t.expand(n), r.expand(n), y, cfg_scale, self.cfg_interval).float()
             z = z - (t - r) * u
         return z

@@ -73,6 +73,7 @@ class Evaluator:
     split: str | None = None
     ref: str | None = None
     features: fid.FeatureNet | None = None  # a ready feature network (tests use a small stand-in)
+    decoder: object | None = None  # a latent run's flm.latents.Decoder: `shape` is the latents', images are decoded
 
     def __post_init__(self):
         self.n, self.steps = check_n(self.n), parse_steps(self.steps)
@@ -80,7 +81,9 @@ class Evaluator:
             raise ValueError(f"batch_size must be > 0, got {self.batch_size}")
         self.shape, self.device = tuple(self.shape), torch.device(self.device)
         self.net = self.features or fid.load_inception(self.inception, device=self.device)
-        self.classifier = digits.load_classifier(self.device) if is_mnist_like(self.shape, self.num_classes) else None
+        self.resolution = self.shape[-1] if self.decoder is None else self.decoder.resolution
+        mnist_like = self.decoder is None and is_mnist_like(self.shape, self.num_classes)
+        self.classifier = digits.load_classifier(self.device) if mnist_like else None
         self.reference = self._reference() if dist.is_main() else None  # only rank 0 computes the numbers
 
     def _reference(self) -> fid.Stats:
@@ -93,7 +96,7 @@ class Evaluator:
                                         cache=self.cache, batch_size=self.batch_size)
             source = f"{self.data.name} {split}"
         fid.check_stats(stats, source=source, dataset=fid.dataset_name(self.data.name, self.data.root), split=split,
-                        resolution=self.shape[-1], network=self.net.name)
+                        resolution=self.resolution, network=self.net.name)
         return stats
 
     @torch.no_grad()
@@ -110,7 +113,7 @@ class Evaluator:
                 y = None if labels is None else labels[lo:hi]
                 images = generate(model, objective, seeds=list(range(self.seed + lo, self.seed + hi)), labels=y,
                                   shape=self.shape, steps=steps, cfg_scale=self.cfg_scale, batch_size=self.batch_size,
-                                  device=self.device, amp_dtype=self.amp_dtype)
+                                  device=self.device, amp_dtype=self.amp_dtype, decode=self.decoder)
                 feats.append(fid.features(images, self.net, batch_size=self.batch_size))
                 if self.classifier is not None:
                     predicted = digits.predict(images, classifier=self.classifier, batch_size=self.batch_size)
@@ -131,14 +134,14 @@ class InTraining:
     run's metrics (metrics.jsonl, console, wandb). Off (calls do nothing) when eval_every is 0."""
 
     def __init__(self, trainer, data: DataConfig, *, shape, num_classes: int, device, amp_dtype, batch_size: int,
-                 sample_steps: int):
+                 sample_steps: int, decoder=None):
         self.every, self.last = trainer.eval_every, trainer.max_steps
         self.evaluator = None
         if self.every:
             self.evaluator = Evaluator(data=data, shape=shape, num_classes=num_classes, n=trainer.eval_n,
                                        steps=trainer.eval_steps or [sample_steps], cfg_scale=trainer.sample_cfg_scale,
                                        batch_size=batch_size, device=device, amp_dtype=amp_dtype,
-                                       inception=trainer.eval_inception, cache=trainer.eval_cache)
+                                       inception=trainer.eval_inception, cache=trainer.eval_cache, decoder=decoder)
 
     def __call__(self, step: int, model, objective, run_log) -> None:
         if self.evaluator is None or not (step == self.last or step % self.every == 0):

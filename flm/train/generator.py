@@ -5,6 +5,8 @@ and its objective (the sampler). Nothing in a checkpoint names a callable that g
     model, objective = load_generator(bundle, weights="ema", device=device)
 """
 
+import os
+
 import torch
 
 from flm.models import build_model
@@ -22,16 +24,33 @@ def build_objective_from(bundle: dict, source: str = "the checkpoint") -> Object
     return objective
 
 
-def generator_state(bundle: dict, weights: str = "ema", ema_decay: float | None = None) -> dict:
-    """The network weights to sample with: raw, or the EMA of `ema_decay` (default: the run's first)."""
+def ema_name(ema=None, ema_decay: float | None = None) -> str | None:
+    """The EMA key asked for: `ema` by name ("0.9999", "sigma_rel0.05"; a number is a constant decay) or
+    `ema_decay` (the older option); None: the run's first."""
+    if ema is not None and ema_decay is not None:
+        raise ValueError(f"ema={ema} and ema_decay={ema_decay} both given; pass one (ema names any EMA of the run)")
+    if ema_decay is not None:
+        return ema_key(ema_decay)
+    if isinstance(ema, (int, float)) and not isinstance(ema, bool):
+        return ema_key(ema)
+    return None if ema is None else str(ema)
+
+
+def generator_state(bundle: dict, weights: str = "ema", ema_decay: float | None = None, ema=None) -> dict:
+    """The network weights to sample with: raw, or the EMA named `ema` / of `ema_decay` (default: the run's first)."""
     if weights not in ("ema", "raw"):
         raise ValueError(f"weights must be ema or raw, got {weights!r}")
     if weights == "raw":
+        if "model" not in bundle:
+            raise ValueError("weights=raw: an exported folder holds one EMA and no raw weights; pass weights=ema")
         return bundle["model"]
-    key = ema_key(ema_decay) if ema_decay is not None else next(iter(bundle["ema"]))
-    if key not in bundle["ema"]:
-        raise ValueError(f"ema_decay={ema_decay} not in the checkpoint; it has {', '.join(bundle['ema'])}")
-    return bundle["ema"][key]
+    averages = bundle["ema"]
+    if not averages:
+        raise ValueError("the run keeps no EMA (trainer.ema_decays=[] and trainer.ema_sigma_rels=[]); pass weights=raw")
+    key = ema_name(ema, ema_decay) or next(iter(averages))
+    if key not in averages:
+        raise ValueError(f"ema={key} is not in the checkpoint; it has {', '.join(averages)}")
+    return averages[key]
 
 
 def sampler_steps(bundle: dict, objective: Objective, source: str) -> int:
@@ -40,11 +59,30 @@ def sampler_steps(bundle: dict, objective: Objective, source: str) -> int:
     return objective.sample_steps if steps is None else typed(steps, int, f"{source}: trainer.sample_steps")
 
 
-def load_generator(bundle: dict, *, weights: str = "ema", ema_decay: float | None = None, attention: str = "auto",
+def load_generator(bundle: dict, *, weights: str = "ema", ema_decay: float | None = None, ema=None, attention: str = "auto",
                    device="cpu", source: str = "the checkpoint") -> tuple[torch.nn.Module, Objective]:
     """(model, objective) on `device`, the model in eval mode with the `attention` backend (sampling
     takes no JVP, and the run's training backend need not run on this machine)."""
     objective = build_objective_from(bundle, source).to(device)
     model = build_model(**{**plain(bundle["model_args"], f"{source}: model_args"), "attention": attention})
-    model.load_state_dict(generator_state(bundle, weights, ema_decay))
+    model.load_state_dict(generator_state(bundle, weights, ema_decay, ema))
     return model.to(device).eval(), objective
+
+
+def open_generator(ckpt: str) -> tuple[dict, str]:
+    """(bundle, its path) of a run folder, a checkpoint file or an exported folder (flm.train.export)."""
+    from flm.train import checkpoint
+    from flm.train.export import is_export, load_export
+
+    if is_export(ckpt):
+        return load_export(ckpt), os.path.abspath(ckpt)
+    path = checkpoint.find_checkpoint(ckpt)
+    return checkpoint.load(path), path
+
+
+def output_base(path: str) -> tuple[str, str]:
+    """(folder, stem) of what sample.py and evaluate.py write for `path`: a run's folder and the checkpoint's
+    name, or an exported folder itself and "export"."""
+    if os.path.isdir(path):
+        return path, "export"
+    return os.path.dirname(os.path.dirname(os.path.abspath(path))), os.path.splitext(os.path.basename(path))[0]

@@ -40,6 +40,7 @@ from torch import nn
 from flm import dist
 from flm.data import DataConfig, Loader, mix_seed
 from flm.files import lock_folder, unlock_folder
+from flm.latents import Decoder, LatentFiles, reference_source
 from flm.log import LoggerConfig, RunLogger, progress_line
 from flm.models import ModelConfig, build_model
 from flm.objectives import Objective
@@ -80,7 +81,8 @@ def build_state(model_args: dict, objective, optim: OptimConfig, trainer: Traine
     for name in [name for name, network in objective.networks.items() if network.model_init]:
         start_from(raw, nets[name])  # a distillation's student starts as its teacher
     # the EMA copies first: under FSDP2, wrap() shards raw in place (and wrap_copy shards the copies alike)
-    ema = EMA(raw, trainer.ema_decays, wrap=lambda m: wrap_copy(m, device, trainer.parallel))
+    ema = EMA(raw, trainer.ema_decays, wrap=lambda m: wrap_copy(m, device, trainer.parallel),
+              sigma_rels=trainer.ema_sigma_rels)
     model = wrap(raw, device, trainer.parallel)
     if trainer.compile:
         model = torch.compile(model)
@@ -156,7 +158,7 @@ class Meter:
 
 def sample_grid(state: TrainState, trainer: TrainerConfig, run_dir: str, run_log: RunLogger, **generate_args) -> None:
     """The EMA's samples of fixed seeds and labels; every rank samples (FSDP2 gathers), rank 0 writes."""
-    images = generate(state.ema.default, state.objective, seeds=list(range(trainer.sample_n)),
+    images = generate(state.sampled, state.objective, seeds=list(range(trainer.sample_n)),
                       cfg_scale=trainer.sample_cfg_scale, **generate_args)
     if dist.is_main():
         path = os.path.join(run_dir, "samples", f"step-{state.step:08d}.png")
@@ -185,6 +187,11 @@ def train(*, run_dir: str, model: ModelConfig, objective: Objective, data: DataC
     resume_from = checkpoint.resolve_resume(trainer.resume, run_dir)
 
     dataset = data.build()
+    decoder, reference = None, data
+    if isinstance(dataset, LatentFiles):  # samples are decoded by the folder's VAE; the record goes with every checkpoint
+        config = {**(config or {}), "latents": dataset.info.as_dict()}
+        decoder = Decoder(dataset.info, device)
+        reference = dataclasses.replace(data, **reference_source(dataset.info.as_dict()))  # FID: the source images
     num_classes = dataset.num_classes if trainer.class_conditional else 0
     model_args = model.args(input_size=dataset.resolution, in_channels=dataset.channels, num_classes=num_classes,
                             time_inputs=objective.time_inputs)
@@ -208,9 +215,9 @@ def train(*, run_dir: str, model: ModelConfig, objective: Objective, data: DataC
     steps = trainer.sample_steps or objective.sample_steps
     per_rank = micro_batch * trainer.grad_accum  # images per rank per step: the sampling batch
     grid = dict(labels=class_labels(trainer.sample_n, num_classes), shape=shape, steps=steps, batch_size=per_rank,
-                device=device, amp_dtype=dtype)
-    in_loop_eval = InTraining(trainer, data, shape=shape, num_classes=num_classes, device=device, amp_dtype=dtype,
-                              batch_size=per_rank, sample_steps=steps)
+                device=device, amp_dtype=dtype, decode=decoder)
+    in_loop_eval = InTraining(trainer, reference, shape=shape, num_classes=num_classes, device=device, amp_dtype=dtype,
+                              batch_size=per_rank, sample_steps=steps, decoder=decoder)
     run_log = RunLogger(run_dir, logger, run_config=config, resumed_at=state.step if resume_from else None)
 
     def loss_and_backward(x, y, step):
@@ -253,7 +260,7 @@ def train(*, run_dir: str, model: ModelConfig, objective: Objective, data: DataC
                 run_log.log(state.step, metrics)
             if state.step == trainer.max_steps or (trainer.sample_every and state.step % trainer.sample_every == 0):
                 sample_grid(state, trainer, run_dir, run_log, **grid)
-            in_loop_eval(state.step, state.ema.default, objective, run_log)
+            in_loop_eval(state.step, state.sampled, objective, run_log)
             if saves:
                 state.save(run_dir, trainer.keep_last)
     finally:

@@ -22,8 +22,9 @@ def class_labels(n: int, num_classes: int, label: int | None = None) -> torch.Te
 
 @torch.no_grad()
 def generate(model, objective, *, seeds, labels, shape, steps: int, cfg_scale: float = 1.0,
-             batch_size: int = 64, device="cpu", amp_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Images in [-1, 1], (len(seeds), *shape), on the CPU.
+             batch_size: int = 64, device="cpu", amp_dtype: torch.dtype | None = None, decode=None) -> torch.Tensor:
+    """Images in [-1, 1], (len(seeds), *shape), on the CPU; with `decode` (a latent run's flm.latents.Decoder),
+    the sampled latents of `shape` decoded to images.
 
     Image i has its own generator seeded with seeds[i]: it draws the starting noise, and the sampler
     draws any later noise (multi-step sCM's re-noising) from it too, so image i depends only on
@@ -40,7 +41,7 @@ def generate(model, objective, *, seeds, labels, shape, steps: int, cfg_scale: f
         autocast = torch.autocast(device.type, dtype=amp_dtype) if amp_dtype else contextlib.nullcontext()
         with autocast:
             x = objective.sample(model, noise, y, steps=steps, cfg_scale=cfg_scale, generators=generators)
-        out.append(x.float().clamp(-1, 1).cpu())
+        out.append((x.float() if decode is None else decode(x)).clamp(-1, 1).cpu())
     model.train(was_training)
     return torch.cat(out)
 

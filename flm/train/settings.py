@@ -23,6 +23,7 @@ class TrainerConfig:
     parallel: str = "ddp"  # under torchrun: ddp | fsdp (FSDP2: parameters, gradients, optimizer state and EMA sharded)
     class_conditional: bool = True  # condition on the dataset's labels (enables cfg_scale when sampling)
     ema_decays: list[float] = field(default_factory=lambda: [0.999])
+    ema_sigma_rels: list[float] = field(default_factory=list)  # power-function EMAs (EDM2), by relative width
     log_every: int = 50
     sample_every: int = 0  # 0: a grid at the end only
     sample_n: int = 64

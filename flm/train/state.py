@@ -130,6 +130,11 @@ class TrainState:
             checkpoint.save(bundle, checkpoint.checkpoint_path(run_dir, self.step), keep_last=keep_last)
         dist.barrier()
 
+    @property
+    def sampled(self) -> nn.Module:
+        """What grids and in-training evaluations sample: the first EMA, or the raw weights of a run without one."""
+        return self.model if self.ema.default is None else self.ema.default
+
     def modules(self) -> list[nn.Module]:
         """What the optimizers change: the model, the objective and its trainable networks."""
         return [self.model, self.objective, *self.trainable.values()]

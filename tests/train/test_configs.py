@@ -72,7 +72,7 @@ def test_unknown_attention_is_refused_with_the_valid_names():
 
 @pytest.mark.parametrize("name", options("data"))
 def test_data_options(cfg_of, name):
-    overrides = [f"data={name}"] + (["data.root=/nonexistent"] if name == "imagefolder" else [])
+    overrides = [f"data={name}"] + (["data.root=/nonexistent"] if name in ("imagefolder", "latents") else [])
     data = instantiate(cfg_of("train", overrides).data)
     assert isinstance(data, DataConfig) and data.name == name
 
