@@ -33,7 +33,9 @@ def teacher(tmp_path_factory):
 
 
 def objective_of(name, teacher):
-    return [f"objective={name}", f"objective.teacher={teacher / 'flow_matching'}"]
+    # MeanFlow's guidance in training (its default cfg_omega) gives way to the teacher's velocity
+    guidance = ["objective.cfg_omega=1.0"] if name == "meanflow" else []
+    return [f"objective={name}", f"objective.teacher={teacher / 'flow_matching'}", *guidance]
 
 
 class Watched(RCM):
