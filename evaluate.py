@@ -17,7 +17,6 @@ Bad input ends with one line `error: ...` and exit code 1.
 """
 
 import dataclasses
-import json
 import os
 
 import hydra
@@ -25,6 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from flm import dist
 from flm.data import DataConfig
+from flm.files import write_json
 from flm.latents import decoder_of, reference_source
 from flm.train.cli import report_user_errors
 from flm.train.evaluation import Evaluator, check_n, parse_steps
@@ -79,10 +79,7 @@ def run(cfg: DictConfig) -> dict:
     }
     run_dir, stem = output_base(path)
     out = cfg.out or os.path.join(run_dir, "eval", f"{stem}-{cfg.weights}-cfg{cfg.cfg_scale:g}-seed{cfg.seed}-n{n}.json")
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(f"{out}.tmp", "w") as f:
-        json.dump(report, f, indent=2)
-    os.replace(f"{out}.tmp", out)
+    write_json(out, report)
     print(f"{n} images per step count from {path} ({cfg.weights} weights, cfg {cfg.cfg_scale:g}) vs "
           f"{report['reference']}, {evaluator.reference.n or '?'} images\n{table(results, steps)}\n-> {out}", flush=True)
     return results

@@ -3,6 +3,7 @@ is full or the folder read-only: the temporary file is removed and the earlier f
 
 import contextlib
 import errno
+import json
 import os
 import shutil
 
@@ -37,6 +38,16 @@ def write_atomically(path: str, write, *, needed_bytes: int | None = None, tmp_s
         if error is None:
             raise
         raise error from None
+
+
+def write_json(path: str, obj) -> None:
+    """`obj` as indented JSON at `path`, through write_atomically."""
+
+    def write(tmp: str) -> None:
+        with open(tmp, "w") as f:
+            json.dump(obj, f, indent=2)
+
+    write_atomically(path, write)
 
 
 def disk_error(e: BaseException, path: str, needed_bytes: int | None) -> DiskError | None:

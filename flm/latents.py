@@ -20,6 +20,8 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
+from flm.files import write_atomically, write_json
+
 META = "meta.json"
 FORMAT = "flm-latents"
 INSTALL_HINT = "pip install 'flm[latent]' (or: pip install diffusers safetensors)"
@@ -153,10 +155,7 @@ def encode_dataset(dataset, vae, vae_name: str, out: str, *, source: dict, batch
             labels.append(torch.as_tensor(y).long())
         names = {"latents": f"latents-{shard:05d}.npy", "labels": f"labels-{shard:05d}.npy"}
         for key, array in (("latents", torch.cat(latents).numpy()), ("labels", torch.cat(labels).numpy())):
-            tmp = os.path.join(out, names[key] + ".tmp")
-            with open(tmp, "wb") as f:
-                np.save(f, array)
-            os.replace(tmp, os.path.join(out, names[key]))
+            write_atomically(os.path.join(out, names[key]), lambda tmp, a=array: _save_npy(tmp, a), needed_bytes=array.nbytes)
         shards.append({**names, "n": hi - lo})
         log(f"shard {shard}: images {lo}-{hi - 1} of {n}")
     mean = (total / count).tolist()
@@ -168,11 +167,13 @@ def encode_dataset(dataset, vae, vae_name: str, out: str, *, source: dict, batch
         "channel_mean": mean, "channel_std": std, "num_images": n, "num_classes": int(dataset.num_classes),
         "source": source, "shards": shards,
     }
-    tmp = os.path.join(out, META + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(meta, f, indent=2)
-    os.replace(tmp, os.path.join(out, META))
+    write_json(os.path.join(out, META), meta)
     return meta
+
+
+def _save_npy(path: str, array: np.ndarray) -> None:
+    with open(path, "wb") as f:  # a file object: np.save adds .npy to a name
+        np.save(f, array)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from flm.files import write_atomically
 from flm.metrics.images import as_float_images
 
 INCEPTION_ENV = "FLM_FID_INCEPTION"
@@ -205,11 +206,9 @@ class Stats:
         return f"{self.dataset or 'unknown dataset'} {self.split or 'unknown split'} {res} ({self.network or 'unknown network'})"
 
     def save(self, path: str) -> None:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        tmp = f"{path}.tmp.npz"
         meta = {k: np.asarray("" if getattr(self, k) is None else getattr(self, k)) for k in _META}  # no pickles
-        np.savez(tmp, mu=self.mu, sigma=self.sigma, **meta)
-        os.replace(tmp, path)
+        # np.savez adds .npz to other names
+        write_atomically(path, lambda tmp: np.savez(tmp, mu=self.mu, sigma=self.sigma, **meta), tmp_suffix=".tmp.npz")
 
 
 def stats_of(feats: torch.Tensor, **meta) -> Stats:

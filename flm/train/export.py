@@ -9,6 +9,7 @@ folder needs pickle; sample.py and evaluate.py take the folder where they take a
 import json
 import os
 
+from flm.files import write_atomically, write_json
 from flm.train.config import objective_from_config, plain
 from flm.train.generator import ema_name, generator_state
 
@@ -44,13 +45,9 @@ def export(bundle: dict, out: str, *, ema=None, source: str = "the checkpoint") 
         "vae": None if not latents else latents["vae"],
         "latents": plain(latents, f"{source}: latents"),
     }
-    os.makedirs(out, exist_ok=True)
-    tmp = os.path.join(out, WEIGHTS + ".tmp")
-    _safetensors().save_file({k: v.detach().cpu().clone().contiguous() for k, v in state.items()}, tmp)
-    os.replace(tmp, os.path.join(out, WEIGHTS))
-    with open(os.path.join(out, CONFIG + ".tmp"), "w") as f:
-        json.dump(config, f, indent=2)
-    os.replace(os.path.join(out, CONFIG + ".tmp"), os.path.join(out, CONFIG))
+    tensors = {k: v.detach().cpu().clone().contiguous() for k, v in state.items()}
+    write_atomically(os.path.join(out, WEIGHTS), lambda tmp: _safetensors().save_file(tensors, tmp))
+    write_json(os.path.join(out, CONFIG), config)
     return out
 
 
