@@ -61,12 +61,15 @@ def run(cfg: DictConfig) -> dict:
                                       device=device, source=path)
     steps = parse_steps(cfg.steps if cfg.steps is not None else sampler_steps(bundle, objective, path))
     args = bundle["model_args"]
+    run_dir, stem = output_base(path)
+    out = cfg.out or os.path.join(run_dir, "eval", f"{stem}-{cfg.weights}-cfg{cfg.cfg_scale:g}-seed{cfg.seed}-n{n}.json")
     evaluator = Evaluator(data=run_data(run_cfg, cfg.data.root),
                           shape=(args["in_channels"], args["input_size"], args["input_size"]),
                           num_classes=args["num_classes"], n=n, steps=steps, cfg_scale=cfg.cfg_scale, seed=cfg.seed,
                           batch_size=cfg.batch_size, device=device, amp_dtype=amp_dtype(cfg.precision, device),
                           inception=cfg.inception, cache=cfg.fid_cache, split=cfg.data.split, ref=cfg.ref,
-                          decoder=decoder_of(run_cfg, device, path))
+                          decoder=decoder_of(run_cfg, device, path),
+                          grid=os.path.splitext(out)[0] if cfg.grid else None)
     del bundle
     results = evaluator(model, objective)
     if not dist.is_main():
@@ -77,8 +80,6 @@ def run(cfg: DictConfig) -> dict:
         "reference_n": evaluator.reference.n, "inception": evaluator.net.name, "results": results,
         "options": OmegaConf.to_container(cfg, resolve=True),
     }
-    run_dir, stem = output_base(path)
-    out = cfg.out or os.path.join(run_dir, "eval", f"{stem}-{cfg.weights}-cfg{cfg.cfg_scale:g}-seed{cfg.seed}-n{n}.json")
     write_json(out, report)
     print(f"{n} images per step count from {path} ({cfg.weights} weights, cfg {cfg.cfg_scale:g}) vs "
           f"{report['reference']}, {evaluator.reference.n or '?'} images\n{table(results, steps)}\n-> {out}", flush=True)

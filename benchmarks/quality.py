@@ -9,9 +9,14 @@ Protocol (docs/quality.md): MNIST 28 x 28, the `experiment=mnist_<objective>` pr
 batch 256) with `attention=triton_jvp trainer.cuda_graph=true`, each trained for the same GPU time.
 A run is NAME:OBJECTIVE:STEPS[:override,override...]. STEPS=auto first trains `--probe-steps` steps,
 which gives the objective's steady ms/step, then resumes the run (bit-exactly) up to
-budget / (ms/step) steps; a number trains that many steps (cheaper when the step cost is known), and
-the table reports steps x measured ms/step as the GPU time either way. Then `--n` samples from the
-EMA weights: FID against the MNIST test digits, and the digit classifier's label accuracy.
+budget / (ms/step) steps; STEPS=<seconds>s (e.g. 51s) does the same with its own budget (a distilled
+student's: a quarter of its teacher's GPU time); a number trains that many steps (cheaper when the step
+cost is known), and the table reports steps x measured ms/step as the GPU time either way. Then `--n`
+samples from each of `--weights` (the run's first EMA, an EMA by decay such as ema0.99, or raw): FID
+against the MNIST test digits, and the digit classifier's label accuracy.
+
+Distillation runs name their teacher's run folder, which an earlier run of the same call trained:
+    --runs fm:flow_matching:3500 scd:scd:51s:objective.teacher=/tmp/flm-quality/fm
 
 Results accumulate in <out>/quality.json (one entry per run, so runs can be made in separate calls)
 and <out>/quality.md is rewritten from all entries each time.
@@ -26,7 +31,7 @@ import time
 
 import torch
 
-SAMPLER_STEPS = {"flow_matching": [50, 2], "meanflow": [1, 2], "scm": [1, 2]}
+SAMPLER_STEPS = {"flow_matching": [50, 2], "meanflow": [1, 2], "scm": [1, 2], "scd": [1, 2], "rcm": [1, 2]}
 
 
 def sh(args: list[str], log: str) -> None:
@@ -53,38 +58,69 @@ def steady_step_ms(run_dir: str) -> float:
 
 
 def run_objective(spec: str, args) -> dict:
-    name, objective, steps, *rest = spec.split(":")
-    overrides = rest[0].split(",") if rest else []
+    name, objective, steps, *rest = spec.split(":", 3)
+    overrides = split_overrides(rest[0]) if rest else []
     run_dir = os.path.join(args.work, name)
     log = os.path.join(args.out, f"{name}.log")
     train = [sys.executable, "train.py", f"experiment=mnist_{objective}", f"attention={args.attention}",
              f"data.root={args.data_root}", "data.download=false", f"run_dir={run_dir}",
-             f"trainer.cuda_graph={str(args.cuda_graph).lower()}", "trainer.sample_every=0", "trainer.ckpt_every=0",
-             "trainer.log_every=50", *overrides]
+             "trainer.sample_every=0", "trainer.ckpt_every=0", "trainer.log_every=50", *overrides]
+    if not any(o.startswith("trainer.cuda_graph=") for o in overrides):  # a run's own choice wins (rCM: false)
+        train.append(f"trainer.cuda_graph={str(args.cuda_graph).lower()}")
     start = time.time()
-    if steps == "auto":
-        sh(train + [f"trainer.max_steps={args.probe_steps}"], log)
-        steps = max(args.probe_steps, int(round(args.budget_s * 1000 / steady_step_ms(run_dir) / 100)) * 100)
-        sh(train + [f"trainer.max_steps={steps}", "trainer.resume=auto"], log)
+    if steps == "auto" or steps.endswith("s"):
+        budget_s = args.budget_s if steps == "auto" else float(steps[:-1])
+        probe = args.probe_steps if steps == "auto" else min(args.probe_steps, 100)
+        sh(train + [f"trainer.max_steps={probe}"], log)
+        steps = max(probe, int(round(budget_s * 1000 / steady_step_ms(run_dir) / 10)) * 10)
+        if steps > probe:
+            sh(train + [f"trainer.max_steps={steps}", "trainer.resume=auto"], log)
     else:
         steps = int(steps)
         sh(train + [f"trainer.max_steps={steps}"], log)
     ms_final = steady_step_ms(run_dir)
     wall = time.time() - start
 
-    evals = os.path.join(args.out, f"{name}-eval.json")
     sampler_steps = SAMPLER_STEPS[objective]
-    sh([sys.executable, "evaluate.py", f"ckpt={run_dir}", f"n={args.n}", f"steps=[{','.join(map(str, sampler_steps))}]",
-        f"batch_size={args.eval_batch}", f"inception={args.inception}", f"data.root={args.data_root}", f"out={evals}"], log)
-    with open(evals) as f:
-        fid = json.load(f)
-    for k in sampler_steps[:2] if args.grids else ():
-        sh([sys.executable, "sample.py", f"ckpt={run_dir}", "n=100", f"steps={k}",
-            f"out={os.path.join(args.out, f'{name}-{k}step')}"], log)
+    fid = {}
+    for i, weights in enumerate(args.weights):
+        evals = os.path.join(args.out, f"{name}-{weights}-eval.json")
+        sh([sys.executable, "evaluate.py", f"ckpt={run_dir}", f"n={args.n}", f"steps=[{','.join(map(str, sampler_steps))}]",
+            *weights_options(weights), f"grid={str(args.grids and i == 0).lower()}", f"batch_size={args.eval_batch}", f"inception={args.inception}",
+            f"data.root={args.data_root}", f"out={evals}"], log)
+        with open(evals) as f:
+            fid[weights] = json.load(f)
     return {"name": name, "objective": objective, "train_steps": steps, "step_ms": ms_final,
-            "gpu_s": steps * ms_final / 1000, "wall_s": wall, "overrides": overrides, "eval": fid,
+            "gpu_s": steps * ms_final / 1000, "wall_s": wall, "overrides": overrides, "evals": fid,
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU", "torch": torch.__version__,
             "triton": triton_version(), "command": " ".join(sys.argv)}
+
+
+def split_overrides(text: str) -> list[str]:
+    """Hydra overrides separated by commas outside brackets: a,b=[0.99,0.999] -> [a, b=[0.99,0.999]]."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        depth += {"[": 1, "]": -1}.get(ch, 0)
+        if ch == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    return [p for p in parts + [text[start:]] if p]
+
+
+def weights_options(weights: str) -> list[str]:
+    """evaluate.py's options for a --weights entry: ema (the run's first EMA), ema<decay> or ema<name>, raw."""
+    if weights == "raw":
+        return ["weights=raw"]
+    if weights == "ema":
+        return ["weights=ema"]
+    if weights.startswith("ema"):
+        return ["weights=ema", f"ema={weights[3:]}"]
+    raise SystemExit(f"error: --weights {weights!r}: expected ema, ema<decay> (ema0.99) or raw")
+
+
+def evaluations(entry: dict) -> dict:
+    """{weights: evaluate.py's report} of a run; entries written before --weights held one, of the first EMA."""
+    return entry.get("evals") or {"ema": entry["eval"]}
 
 
 def triton_version() -> str:
@@ -97,20 +133,21 @@ def triton_version() -> str:
 
 def report(results: dict, path: str) -> None:
     lines = [f"- `{r['name']}`: {r['device']}, torch {r['torch']}, Triton {r['triton']}; `{r['command']}`" for r in results.values()]
-    lines += ["", "| run | objective | overrides | training steps | ms/step | GPU s | sampler steps | FID | label accuracy "
-             "| FID / FM 50-step |", "|---|---|---|---|---|---|---|---|---|---|"]
-    base = None
-    fm = [r for r in results.values() if r["objective"] == "flow_matching"]
-    if fm:
-        base = fm[0]["eval"]["results"].get("fid_steps50")
+    lines += ["", "| run | objective | overrides | training steps | ms/step | GPU s | weights | sampler steps | FID "
+              "| label accuracy | FID / best FM 50-step |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    # the ratio's baseline is the best 50-step flow-matching FID in the table (the strictest comparison)
+    fm = [e["results"]["fid_steps50"] for r in results.values() if r["objective"] == "flow_matching"
+          for e in evaluations(r).values() if "fid_steps50" in e["results"]]
+    base = min(fm, default=None)
     for r in results.values():
-        found = r["eval"]["results"]
-        for k in SAMPLER_STEPS[r["objective"]]:
-            fid, acc = found[f"fid_steps{k}"], found.get(f"label_acc_steps{k}")
-            ratio = f"{fid / base:.2f}" if base else "-"
-            acc = f"{100 * acc:.1f} %" if acc is not None else "-"
-            lines.append(f"| {r['name']} | {r['objective']} | {' '.join(r['overrides']) or '-'} | {r['train_steps']} | "
-                         f"{r['step_ms']:.1f} | {r['gpu_s']:.0f} | {k} | {fid:.2f} | {acc} | {ratio} |")
+        for weights, report in evaluations(r).items():
+            found = report["results"]
+            for k in SAMPLER_STEPS[r["objective"]]:
+                fid, acc = found[f"fid_steps{k}"], found.get(f"label_acc_steps{k}")
+                ratio = f"{fid / base:.2f}" if base else "-"
+                acc = f"{100 * acc:.1f} %" if acc is not None else "-"
+                lines.append(f"| {r['name']} | {r['objective']} | {' '.join(r['overrides']) or '-'} | {r['train_steps']} | "
+                             f"{r['step_ms']:.1f} | {r['gpu_s']:.0f} | {weights} | {k} | {fid:.2f} | {acc} | {ratio} |")
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
@@ -124,11 +161,13 @@ def main() -> None:
                    help="NAME:OBJECTIVE:STEPS[:override,...], STEPS a number or auto (probe, then the budget)")
     p.add_argument("--budget-s", type=float, default=215.0, help="GPU seconds of training per objective")
     p.add_argument("--probe-steps", type=int, default=300, help="steps that measure ms/step before the budget is set")
+    p.add_argument("--weights", nargs="+", default=["ema"],
+                   help="weights to score: ema (the run's first EMA), ema<decay> (ema0.99), raw")
     p.add_argument("--n", type=int, default=10_000, help="samples per FID")
     p.add_argument("--attention", default="triton_jvp", help="attention backend (math for a CPU dry run)")
     p.add_argument("--eval-batch", type=int, default=1000, help="evaluate.py's batch size")
     p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--grids", action=argparse.BooleanOptionalAction, default=True, help="a 100-image grid per sampler")
+    p.add_argument("--grids", action=argparse.BooleanOptionalAction, default=True, help="a 100-image grid per sampler (of the first --weights)")
     p.add_argument("--work", default="/tmp/flm-quality", help="run folders")
     p.add_argument("--report-only", action="store_true", help="rewrite quality.md from quality.json, run nothing")
     p.add_argument("--out", default="docs/quality", help="quality.json, quality.md, logs and grids")

@@ -1,4 +1,4 @@
-"""Training-step cost of flow matching, MeanFlow and sCM on a DiT: time and peak memory.
+"""Training-step cost of flow matching, MeanFlow, sCM and the distillations sCD / rCM on a DiT: time and peak memory.
 
 One step = objective.loss (forward, with the JVP for MeanFlow / sCM) + backward + AdamW step, bf16
 autocast, class-conditional (1000 classes), 4 latent channels, image side = patch * sqrt(tokens),
@@ -10,15 +10,23 @@ the SDPA flow-matching step. Median of --iters timed steps after --warmup steps 
 happens in the warm-up). A row that runs out of memory prints OOM. `--exec graph` replays the loss and
 backward as one CUDA graph (flm.train.graphs; the optimizer stays eager), which takes Python's kernel
 issuing out of the step time: eager DiT-B steps are host-bound (see the host ms column).
+sCD's step is the teacher's forward (no gradient, bf16) + the student's JVP + backward; its teacher is a
+randomly initialised DiT of the student's size (the cost does not depend on the weights). An rCM row is
+one cycle of its alternation: a fake-score step (student sample + fake-score flow-matching step) plus a
+student step (sCD + the DMD term's teacher and fake-score forwards); it runs eager only (its two
+steps are different graphs).
 
     PYTHONPATH=. python benchmarks/train_step.py                                    # full table (H200)
     PYTHONPATH=. python benchmarks/train_step.py --models DiT-B/2 --tokens 1024,4096 --backends triton_jvp
     PYTHONPATH=. python benchmarks/train_step.py --objectives flow_matching,meanflow --modes dual --out docs/x.md
     PYTHONPATH=. python benchmarks/train_step.py --exec eager,graph --models DiT-B/2 --tokens 1024
+    PYTHONPATH=. python benchmarks/train_step.py --models DiT-B/2 --tokens 1024 --objectives flow_matching,scd,rcm \
+        --backends triton_jvp --modes dual --exec eager,graph                       # distillation (issue 14)
     PYTHONPATH=. python benchmarks/train_step.py --tiny                             # CPU smoke check
 """
 
 import argparse
+import copy
 import gc
 import math
 import os
@@ -34,7 +42,8 @@ from flm.models import build_model
 from flm.objectives import build_objective
 from flm.train.graphs import GraphedStep
 
-JVP_OBJECTIVES = ("meanflow", "scm")
+JVP_OBJECTIVES = ("meanflow", "scm", "scd", "rcm")
+DISTILLATION = ("scd", "rcm")
 
 
 def parse_args(argv=None):
@@ -81,6 +90,8 @@ def measure(model_name, tokens, objective_name, backend, mode, execution, args, 
         raise ValueError(f"tokens {tokens} is not a square number; use e.g. 256, 1024, 4096")
     batch = max(1, args.batch_tokens // tokens)
     kwargs = {"jvp_mode": mode} if objective_name in JVP_OBJECTIVES else {}
+    if objective_name in DISTILLATION:
+        kwargs["teacher"] = "benchmark"  # never read: the networks are built here, not from a checkpoint
     objective = build_objective(objective_name, **kwargs).to(device)
     with torch.device(device):
         model = build_model(
@@ -88,24 +99,35 @@ def measure(model_name, tokens, objective_name, backend, mode, execution, args, 
             time_inputs=objective.time_inputs, attention=backend,
         )
     params = list(model.parameters()) + list(objective.parameters())
-    opt = torch.optim.AdamW(params, lr=1e-4, fused=device.type == "cuda")
+    fused = device.type == "cuda"
+    opts = [torch.optim.AdamW(params, lr=1e-4, fused=fused)]
+    networks = {}  # the objective's extra networks: copies of the student, as the loop starts them from the teacher
+    for name, network in getattr(objective, "networks", {}).items():
+        networks[name] = copy.deepcopy(model).requires_grad_(network.trainable)
+        if network.trainable:
+            params = params + list(networks[name].parameters())
+            opts.append(torch.optim.AdamW(networks[name].parameters(), lr=1e-4, fused=fused))
+    cycle = objective.fake_updates + 1 if hasattr(objective, "updates_fake_score") else 1  # rCM: fake, then student
     g = torch.Generator(device).manual_seed(0)
     x = torch.randn(batch, args.channels, side, side, device=device, generator=g)
     y = torch.randint(0, args.num_classes, (batch,), device=device, generator=g)
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
 
-    def loss_and_backward(x, y):
+    def loss_and_backward(x, y, phase=0):
         with autocast:
-            loss, metrics = objective.loss(model, x, y, step=10**6)  # past sCM's tangent warm-up
+            loss, metrics = objective.loss(model, x, y, step=10**6 * cycle + phase, **networks)  # past the warm-up
+        loss = sum(loss.values()) if isinstance(loss, dict) else loss  # {network: loss}: each touches its own
         loss.backward()
         return loss, metrics
 
     forward_backward = GraphedStep(loss_and_backward, params) if execution == "graph" else loss_and_backward
 
     def step(i):
-        forward_backward(x, y)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        for phase in range(cycle):
+            forward_backward(x, y, phase) if cycle > 1 else forward_backward(x, y)
+            for opt in opts:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
 
     if device.type == "cuda":
         # from the first step on: a CUDA graph allocates its activations once, at capture (in the warm-up)
@@ -148,6 +170,8 @@ def rows_to_run(args):
                 for backend in args.backends:
                     for objective in args.objectives:
                         for mode in args.modes if objective in JVP_OBJECTIVES else ["-"]:
+                            if objective == "rcm" and execution == "graph":
+                                continue  # its alternating steps are two different graphs
                             yield model_name, tokens, objective, backend, mode, execution
 
 

@@ -20,7 +20,7 @@ from flm import dist
 from flm.data import DataConfig
 from flm.metrics import classifier as digits
 from flm.metrics import fid
-from flm.train.sampling import class_labels, generate
+from flm.train.sampling import class_labels, generate, save_grid
 
 
 def is_mnist_like(shape, num_classes: int) -> bool:
@@ -74,6 +74,7 @@ class Evaluator:
     ref: str | None = None
     features: fid.FeatureNet | None = None  # a ready feature network (tests use a small stand-in)
     decoder: object | None = None  # a latent run's flm.latents.Decoder: `shape` is the latents', images are decoded
+    grid: str | None = None  # a path prefix: rank 0 writes its first 100 images of k steps to <grid>-steps<k>.png
 
     def __post_init__(self):
         self.n, self.steps = check_n(self.n), parse_steps(self.steps)
@@ -115,6 +116,8 @@ class Evaluator:
                                   shape=self.shape, steps=steps, cfg_scale=self.cfg_scale, batch_size=self.batch_size,
                                   device=self.device, amp_dtype=self.amp_dtype, decode=self.decoder)
                 feats.append(fid.features(images, self.net, batch_size=self.batch_size))
+                if self.grid and lo == 0:  # labels cycle 0..9: ten per row
+                    save_grid(images[:100], f"{self.grid}-steps{steps}.png", nrow=self.num_classes if self.num_classes else None)
                 if self.classifier is not None:
                     predicted = digits.predict(images, classifier=self.classifier, batch_size=self.batch_size)
                     correct.append((predicted == y.to(predicted.device)).float())

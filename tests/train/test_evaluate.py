@@ -47,6 +47,18 @@ def test_evaluate_from_the_command_line(run, tmp_path):
     assert set(report["results"]) == {"fid_steps1", "fid_steps2", "label_acc_steps1", "label_acc_steps2"}
     assert all(np.isfinite(v) for v in report["results"].values()) and report["n"] == 12
     assert "| steps | FID | label accuracy |" in stdout and "| 2 |" in stdout
+    assert not list(tmp_path.glob("*.png"))  # grids only when asked for
+
+
+def test_evaluate_writes_grids_of_the_scored_images(run, evaluate_run, tmp_path):
+    from PIL import Image
+
+    out = tmp_path / "fid.json"
+    evaluate_run([f"ckpt={run['dir']}", "n=12", "steps=[1,2]", "batch_size=12", f"inception={run['inception']}",
+                  f"ref={run['ref']}", f"out={out}", "device=cpu", "grid=true"])
+    for k in (1, 2):
+        grid = Image.open(tmp_path / f"fid-steps{k}.png")
+        assert grid.size == (10 * 30 + 2, 2 * 30 + 2)  # 12 images, ten (labels 0-9) per row, 2-pixel gaps
 
 
 def test_scores_do_not_depend_on_the_batch_size(run):
