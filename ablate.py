@@ -16,7 +16,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from flm.ablate import ablate
-from flm.train.cli import report_user_errors
+from flm.cli import report_user_errors
 
 
 @hydra.main(config_path="configs", config_name="ablate", version_base="1.3")

@@ -26,7 +26,7 @@ from flm import dist
 from flm.data import DataConfig
 from flm.files import write_json
 from flm.latents import decoder_of, reference_source
-from flm.train.cli import report_user_errors
+from flm.cli import report_user_errors
 from flm.train.evaluation import Evaluator, check_n, parse_steps
 from flm.train.generator import load_generator, open_generator, output_base, sampler_steps
 from flm.train.settings import amp_dtype
@@ -57,32 +57,55 @@ def run(cfg: DictConfig) -> dict:
     bundle, path = open_generator(str(cfg.ckpt))
     run_cfg = bundle["config"]
     device = dist.init(cfg.device)
-    model, objective = load_generator(bundle, weights=cfg.weights, ema_decay=cfg.ema_decay, ema=cfg.ema, attention=cfg.attention,
-                                      device=device, source=path)
+    model, objective = load_generator(
+        bundle, weights=cfg.weights, ema_decay=cfg.ema_decay, ema=cfg.ema, attention=cfg.attention, device=device, source=path
+    )
     steps = parse_steps(cfg.steps if cfg.steps is not None else sampler_steps(bundle, objective, path))
     args = bundle["model_args"]
     run_dir, stem = output_base(path)
     out = cfg.out or os.path.join(run_dir, "eval", f"{stem}-{cfg.weights}-cfg{cfg.cfg_scale:g}-seed{cfg.seed}-n{n}.json")
-    evaluator = Evaluator(data=run_data(run_cfg, cfg.data.root),
-                          shape=(args["in_channels"], args["input_size"], args["input_size"]),
-                          num_classes=args["num_classes"], n=n, steps=steps, cfg_scale=cfg.cfg_scale, seed=cfg.seed,
-                          batch_size=cfg.batch_size, device=device, amp_dtype=amp_dtype(cfg.precision, device),
-                          inception=cfg.inception, cache=cfg.fid_cache, split=cfg.data.split, ref=cfg.ref,
-                          decoder=decoder_of(run_cfg, device, path),
-                          grid=os.path.splitext(out)[0] if cfg.grid else None)
+    evaluator = Evaluator(
+        data=run_data(run_cfg, cfg.data.root),
+        shape=(args["in_channels"], args["input_size"], args["input_size"]),
+        num_classes=args["num_classes"],
+        n=n,
+        steps=steps,
+        cfg_scale=cfg.cfg_scale,
+        seed=cfg.seed,
+        batch_size=cfg.batch_size,
+        device=device,
+        amp_dtype=amp_dtype(cfg.precision, device),
+        inception=cfg.inception,
+        cache=cfg.fid_cache,
+        split=cfg.data.split,
+        ref=cfg.ref,
+        decoder=decoder_of(run_cfg, device, path),
+        grid=os.path.splitext(out)[0] if cfg.grid else None,
+    )
     del bundle
     results = evaluator(model, objective)
     if not dist.is_main():
         return results
     report = {
-        "checkpoint": os.path.abspath(path), "weights": cfg.weights, "ema_decay": cfg.ema_decay, "ema": cfg.ema, "n": n,
-        "cfg_scale": cfg.cfg_scale, "seed": cfg.seed, "reference": evaluator.reference.describe(),
-        "reference_n": evaluator.reference.n, "inception": evaluator.net.name, "results": results,
+        "checkpoint": os.path.abspath(path),
+        "weights": cfg.weights,
+        "ema_decay": cfg.ema_decay,
+        "ema": cfg.ema,
+        "n": n,
+        "cfg_scale": cfg.cfg_scale,
+        "seed": cfg.seed,
+        "reference": evaluator.reference.describe(),
+        "reference_n": evaluator.reference.n,
+        "inception": evaluator.net.name,
+        "results": results,
         "options": OmegaConf.to_container(cfg, resolve=True),
     }
     write_json(out, report)
-    print(f"{n} images per step count from {path} ({cfg.weights} weights, cfg {cfg.cfg_scale:g}) vs "
-          f"{report['reference']}, {evaluator.reference.n or '?'} images\n{table(results, steps)}\n-> {out}", flush=True)
+    print(
+        f"{n} images per step count from {path} ({cfg.weights} weights, cfg {cfg.cfg_scale:g}) vs "
+        f"{report['reference']}, {evaluator.reference.n or '?'} images\n{table(results, steps)}\n-> {out}",
+        flush=True,
+    )
     return results
 
 

@@ -13,7 +13,7 @@ import hydra
 from omegaconf import DictConfig
 
 from flm.train import checkpoint
-from flm.train.cli import report_user_errors
+from flm.cli import report_user_errors
 from flm.train.export import export
 
 

@@ -17,7 +17,7 @@ from omegaconf import DictConfig
 
 from flm import dist
 from flm.latents import encode_dataset, load_vae
-from flm.train.cli import report_user_errors
+from flm.cli import report_user_errors
 from flm.train.config import build_group
 
 
@@ -31,10 +31,14 @@ def run(cfg: DictConfig) -> dict:
     vae = load_vae(str(cfg.vae) if cfg.vae else "", device)
     dataset = data.build()
     source = {"name": data.name, "root": os.path.abspath(data.root), "channels": dataset.channels}
-    meta = encode_dataset(dataset, vae, str(cfg.vae), str(cfg.out), source=source, batch_size=cfg.batch_size,
-                          shard_size=cfg.shard_size)
-    print(f"{meta['num_images']} images ({meta['resolution']}x{meta['resolution']}, and their flips) -> latents "
-          f"{'x'.join(map(str, meta['latent_shape']))} in {cfg.out} ({len(meta['shards'])} shards)", flush=True)
+    meta = encode_dataset(
+        dataset, vae, str(cfg.vae), str(cfg.out), source=source, batch_size=cfg.batch_size, shard_size=cfg.shard_size
+    )
+    print(
+        f"{meta['num_images']} images ({meta['resolution']}x{meta['resolution']}, and their flips) -> latents "
+        f"{'x'.join(map(str, meta['latent_shape']))} in {cfg.out} ({len(meta['shards'])} shards)",
+        flush=True,
+    )
     return meta
 
 

@@ -21,7 +21,7 @@ from omegaconf import DictConfig
 
 from flm import dist
 from flm.latents import decoder_of
-from flm.train.cli import report_user_errors
+from flm.cli import report_user_errors
 from flm.train.generator import load_generator, open_generator, output_base, sampler_steps
 from flm.train.sampling import class_labels, generate, save_grid, save_npz
 from flm.train.settings import amp_dtype
@@ -50,8 +50,9 @@ class SampleConfig:
     def __post_init__(self):
         check_fields(self, "")
         if self.n <= 0 or self.batch_size <= 0 or (self.steps is not None and self.steps <= 0):
-            raise ValueError(f"n, batch_size and steps must be > 0, got n={self.n} batch_size={self.batch_size} "
-                             f"steps={self.steps}")
+            raise ValueError(
+                f"n, batch_size and steps must be > 0, got n={self.n} batch_size={self.batch_size} steps={self.steps}"
+            )
         if self.weights not in ("ema", "raw"):
             raise ValueError(f"weights must be ema or raw, got {self.weights!r}")
 
@@ -60,8 +61,9 @@ def run(cfg: DictConfig) -> str:
     cfg = SampleConfig(**cfg)
     bundle, path = open_generator(cfg.ckpt)
     device = dist.init(cfg.device)
-    model, objective = load_generator(bundle, weights=cfg.weights, ema_decay=cfg.ema_decay, ema=cfg.ema, attention=cfg.attention,
-                                      device=device, source=path)
+    model, objective = load_generator(
+        bundle, weights=cfg.weights, ema_decay=cfg.ema_decay, ema=cfg.ema, attention=cfg.attention, device=device, source=path
+    )
     decoder = decoder_of(bundle.get("config"), device, path)
 
     steps = cfg.steps if cfg.steps is not None else sampler_steps(bundle, objective, path)
@@ -69,14 +71,24 @@ def run(cfg: DictConfig) -> str:
     num_classes = bundle["model_args"]["num_classes"]
     labels = class_labels(cfg.n, num_classes, cfg.label)
     args = bundle["model_args"]
-    images = generate(model, objective, seeds=seeds, labels=labels,
-                      shape=(args["in_channels"], args["input_size"], args["input_size"]),
-                      steps=steps, cfg_scale=cfg.cfg_scale, batch_size=cfg.batch_size, device=device,
-                      amp_dtype=amp_dtype(cfg.precision, device), decode=decoder)
+    images = generate(
+        model,
+        objective,
+        seeds=seeds,
+        labels=labels,
+        shape=(args["in_channels"], args["input_size"], args["input_size"]),
+        steps=steps,
+        cfg_scale=cfg.cfg_scale,
+        batch_size=cfg.batch_size,
+        device=device,
+        amp_dtype=amp_dtype(cfg.precision, device),
+        decode=decoder,
+    )
 
     run_dir, stem = output_base(path)
-    out = cfg.out or os.path.join(run_dir, "samples",
-                                  f"{stem}-{cfg.weights}-steps{steps}-cfg{cfg.cfg_scale:g}-seed{cfg.seed}-n{cfg.n}")
+    out = cfg.out or os.path.join(
+        run_dir, "samples", f"{stem}-{cfg.weights}-steps{steps}-cfg{cfg.cfg_scale:g}-seed{cfg.seed}-n{cfg.n}"
+    )
     save_grid(images, out + ".png", nrow=10 if num_classes == 10 else None)
     save_npz(out + ".npz", images, seeds, labels)
     print(f"{cfg.n} images from {path} ({cfg.weights} weights, {steps} steps, cfg {cfg.cfg_scale:g}) -> {out}.png, {out}.npz")

@@ -22,7 +22,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from flm.train import train
-from flm.train.cli import exit_if_jobs_failed, report_user_errors
+from flm.cli import exit_if_jobs_failed, report_user_errors
 from flm.train.config import build_group
 
 

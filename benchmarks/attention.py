@@ -117,15 +117,19 @@ def main():
     props = torch.cuda.get_device_properties(0)
     print(f"\n{props.name}, torch {torch.__version__}, triton {triton.__version__}, bf16, batch x heads = 64")
     print(f"bf16 matmul 8192^3: {peak:.0f} TFLOP/s (ceiling)\n")
-    print("| head dim | tokens | fused JVP ms | fused JVP TFLOP/s | of matmul peak | FA2 fwd TFLOP/s | cuDNN fwd TFLOP/s "
-          "| math JVP ms | speed-up vs math | fused MiB | math MiB | first call s | fused host us/call |")
+    print(
+        "| head dim | tokens | fused JVP ms | fused JVP TFLOP/s | of matmul peak | FA2 fwd TFLOP/s | cuDNN fwd TFLOP/s "
+        "| math JVP ms | speed-up vs math | fused MiB | math MiB | first call s | fused host us/call |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         speedup = None if r["math_ms"] is None else r["math_ms"] / r["jvp_ms"]
-        print(f"| {r['head_dim']} | {r['tokens']} | {r['jvp_ms']:.3f} | {r['jvp_tflops']:.0f} | "
-              f"{r['jvp_tflops'] / peak:.2f} | {fmt(r['fa2_tflops'], '.0f')} | {fmt(r['cudnn_tflops'], '.0f')} | "
-              f"{fmt(r['math_ms'], '.2f')} | {fmt(speedup, '.1f')}x | {r['jvp_mib']:.0f} | {fmt(r['math_mib'], '.0f')} | "
-              f"{r['first_call_s']:.1f} | {r['jvp_host_us']:.0f} |")
+        print(
+            f"| {r['head_dim']} | {r['tokens']} | {r['jvp_ms']:.3f} | {r['jvp_tflops']:.0f} | "
+            f"{r['jvp_tflops'] / peak:.2f} | {fmt(r['fa2_tflops'], '.0f')} | {fmt(r['cudnn_tflops'], '.0f')} | "
+            f"{fmt(r['math_ms'], '.2f')} | {fmt(speedup, '.1f')}x | {r['jvp_mib']:.0f} | {fmt(r['math_mib'], '.0f')} | "
+            f"{r['first_call_s']:.1f} | {r['jvp_host_us']:.0f} |"
+        )
 
     if args.out:
         os.makedirs(args.out, exist_ok=True)

@@ -30,7 +30,11 @@ def main() -> None:
 
     def stats(name, split):
         data = build_dataset(name, root=args.data, download=False, split=split)
-        order = torch.randperm(len(data), generator=torch.Generator().manual_seed(0)) if args.subset == "random" else torch.arange(len(data))
+        order = (
+            torch.randperm(len(data), generator=torch.Generator().manual_seed(0))
+            if args.subset == "random"
+            else torch.arange(len(data))
+        )
         idx = order[: args.n]
         t = time.perf_counter()
         s = moments(features(data.__getitems__(idx.tolist())[0], net))

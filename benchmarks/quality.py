@@ -62,9 +62,19 @@ def run_objective(spec: str, args) -> dict:
     overrides = split_overrides(rest[0]) if rest else []
     run_dir = os.path.join(args.work, name)
     log = os.path.join(args.out, f"{name}.log")
-    train = [sys.executable, "train.py", f"experiment=mnist_{objective}", f"attention={args.attention}",
-             f"data.root={args.data_root}", "data.download=false", f"run_dir={run_dir}",
-             "trainer.sample_every=0", "trainer.ckpt_every=0", "trainer.log_every=50", *overrides]
+    train = [
+        sys.executable,
+        "train.py",
+        f"experiment=mnist_{objective}",
+        f"attention={args.attention}",
+        f"data.root={args.data_root}",
+        "data.download=false",
+        f"run_dir={run_dir}",
+        "trainer.sample_every=0",
+        "trainer.ckpt_every=0",
+        "trainer.log_every=50",
+        *overrides,
+    ]
     if not any(o.startswith("trainer.cuda_graph=") for o in overrides):  # a run's own choice wins (rCM: false)
         train.append(f"trainer.cuda_graph={str(args.cuda_graph).lower()}")
     start = time.time()
@@ -85,15 +95,38 @@ def run_objective(spec: str, args) -> dict:
     fid = {}
     for i, weights in enumerate(args.weights):
         evals = os.path.join(args.out, f"{name}-{weights}-eval.json")
-        sh([sys.executable, "evaluate.py", f"ckpt={run_dir}", f"n={args.n}", f"steps=[{','.join(map(str, sampler_steps))}]",
-            *weights_options(weights), f"grid={str(args.grids and i == 0).lower()}", f"batch_size={args.eval_batch}", f"inception={args.inception}",
-            f"data.root={args.data_root}", f"out={evals}"], log)
+        sh(
+            [
+                sys.executable,
+                "evaluate.py",
+                f"ckpt={run_dir}",
+                f"n={args.n}",
+                f"steps=[{','.join(map(str, sampler_steps))}]",
+                *weights_options(weights),
+                f"grid={str(args.grids and i == 0).lower()}",
+                f"batch_size={args.eval_batch}",
+                f"inception={args.inception}",
+                f"data.root={args.data_root}",
+                f"out={evals}",
+            ],
+            log,
+        )
         with open(evals) as f:
             fid[weights] = json.load(f)
-    return {"name": name, "objective": objective, "train_steps": steps, "step_ms": ms_final,
-            "gpu_s": steps * ms_final / 1000, "wall_s": wall, "overrides": overrides, "evals": fid,
-            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU", "torch": torch.__version__,
-            "triton": triton_version(), "command": " ".join(sys.argv)}
+    return {
+        "name": name,
+        "objective": objective,
+        "train_steps": steps,
+        "step_ms": ms_final,
+        "gpu_s": steps * ms_final / 1000,
+        "wall_s": wall,
+        "overrides": overrides,
+        "evals": fid,
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU",
+        "torch": torch.__version__,
+        "triton": triton_version(),
+        "command": " ".join(sys.argv),
+    }
 
 
 def split_overrides(text: str) -> list[str]:
@@ -132,12 +165,23 @@ def triton_version() -> str:
 
 
 def report(results: dict, path: str) -> None:
-    lines = [f"- `{r['name']}`: {r['device']}, torch {r['torch']}, Triton {r['triton']}; `{r['command']}`" for r in results.values()]
-    lines += ["", "| run | objective | overrides | training steps | ms/step | GPU s | weights | sampler steps | FID "
-              "| label accuracy | FID / best FM 50-step |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"- `{r['name']}`: {r['device']}, torch {r['torch']}, Triton {r['triton']}; `{r['command']}`" for r in results.values()
+    ]
+    lines += [
+        "",
+        "| run | objective | overrides | training steps | ms/step | GPU s | weights | sampler steps | FID "
+        "| label accuracy | FID / best FM 50-step |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     # the ratio's baseline is the best 50-step flow-matching FID in the table (the strictest comparison)
-    fm = [e["results"]["fid_steps50"] for r in results.values() if r["objective"] == "flow_matching"
-          for e in evaluations(r).values() if "fid_steps50" in e["results"]]
+    fm = [
+        e["results"]["fid_steps50"]
+        for r in results.values()
+        if r["objective"] == "flow_matching"
+        for e in evaluations(r).values()
+        if "fid_steps50" in e["results"]
+    ]
     base = min(fm, default=None)
     for r in results.values():
         for weights, report in evaluations(r).items():
@@ -146,8 +190,10 @@ def report(results: dict, path: str) -> None:
                 fid, acc = found[f"fid_steps{k}"], found.get(f"label_acc_steps{k}")
                 ratio = f"{fid / base:.2f}" if base else "-"
                 acc = f"{100 * acc:.1f} %" if acc is not None else "-"
-                lines.append(f"| {r['name']} | {r['objective']} | {' '.join(r['overrides']) or '-'} | {r['train_steps']} | "
-                             f"{r['step_ms']:.1f} | {r['gpu_s']:.0f} | {weights} | {k} | {fid:.2f} | {acc} | {ratio} |")
+                lines.append(
+                    f"| {r['name']} | {r['objective']} | {' '.join(r['overrides']) or '-'} | {r['train_steps']} | "
+                    f"{r['step_ms']:.1f} | {r['gpu_s']:.0f} | {weights} | {k} | {fid:.2f} | {acc} | {ratio} |"
+                )
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
@@ -157,17 +203,27 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data-root", required=True, help="folder with MNIST/raw (torchvision layout)")
     p.add_argument("--inception", required=True, help="the FID Inception TorchScript file")
-    p.add_argument("--runs", nargs="+", default=[f"{k}:{k}:auto" for k in SAMPLER_STEPS],
-                   help="NAME:OBJECTIVE:STEPS[:override,...], STEPS a number or auto (probe, then the budget)")
+    p.add_argument(
+        "--runs",
+        nargs="+",
+        default=[f"{k}:{k}:auto" for k in SAMPLER_STEPS],
+        help="NAME:OBJECTIVE:STEPS[:override,...], STEPS a number or auto (probe, then the budget)",
+    )
     p.add_argument("--budget-s", type=float, default=215.0, help="GPU seconds of training per objective")
     p.add_argument("--probe-steps", type=int, default=300, help="steps that measure ms/step before the budget is set")
-    p.add_argument("--weights", nargs="+", default=["ema"],
-                   help="weights to score: ema (the run's first EMA), ema<decay> (ema0.99), raw")
+    p.add_argument(
+        "--weights", nargs="+", default=["ema"], help="weights to score: ema (the run's first EMA), ema<decay> (ema0.99), raw"
+    )
     p.add_argument("--n", type=int, default=10_000, help="samples per FID")
     p.add_argument("--attention", default="triton_jvp", help="attention backend (math for a CPU dry run)")
     p.add_argument("--eval-batch", type=int, default=1000, help="evaluate.py's batch size")
     p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--grids", action=argparse.BooleanOptionalAction, default=True, help="a 100-image grid per sampler (of the first --weights)")
+    p.add_argument(
+        "--grids",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="a 100-image grid per sampler (of the first --weights)",
+    )
     p.add_argument("--work", default="/tmp/flm-quality", help="run folders")
     p.add_argument("--report-only", action="store_true", help="rewrite quality.md from quality.json, run nothing")
     p.add_argument("--out", default="docs/quality", help="quality.json, quality.md, logs and grids")

@@ -203,9 +203,24 @@ class Scorer:
 # --------------------------------------------------------------------------------------------
 
 
-def train(objective_name: str, *, steps: int = 2000, batch: int = 256, lr: float = 1e-3, lr_warmup: int = 100,
-          ema: float = 0.99, time_scale: float = 1.0, hidden: int = 128, depth: int = 3, eval_every: int = 500,
-          seed: int = 0, dim: int = 2, n_eval: int = 1000, log=print, **objective_kwargs) -> list[dict]:
+def train(
+    objective_name: str,
+    *,
+    steps: int = 2000,
+    batch: int = 256,
+    lr: float = 1e-3,
+    lr_warmup: int = 100,
+    ema: float = 0.99,
+    time_scale: float = 1.0,
+    hidden: int = 128,
+    depth: int = 3,
+    eval_every: int = 500,
+    seed: int = 0,
+    dim: int = 2,
+    n_eval: int = 1000,
+    log=print,
+    **objective_kwargs,
+) -> list[dict]:
     """Train ToyNet with an objective from flm.objectives; the EMA model is scored every eval_every steps."""
     torch.manual_seed(seed)
     gmm = default_gmm(dim)
@@ -261,9 +276,18 @@ def main():
     args = p.parse_args()
     torch.set_num_threads(1)
     kwargs = dict(kv.split("=", 1) for kv in args.set)
-    history = train(args.objective, steps=args.steps, batch=args.batch, lr=args.lr, ema=args.ema,
-                    time_scale=args.time_scale, eval_every=args.eval_every, seed=args.seed, dim=args.dim,
-                    **{k: _value(v) for k, v in kwargs.items()})
+    history = train(
+        args.objective,
+        steps=args.steps,
+        batch=args.batch,
+        lr=args.lr,
+        ema=args.ema,
+        time_scale=args.time_scale,
+        eval_every=args.eval_every,
+        seed=args.seed,
+        dim=args.dim,
+        **{k: _value(v) for k, v in kwargs.items()},
+    )
     print(f"energy-distance floor (two GMM samples): {history[-1]['ed_floor']:.5f}")
 
 

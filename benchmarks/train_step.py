@@ -95,8 +95,12 @@ def measure(model_name, tokens, objective_name, backend, mode, execution, args, 
     objective = build_objective(objective_name, **kwargs).to(device)
     with torch.device(device):
         model = build_model(
-            model_name, input_size=side, in_channels=args.channels, num_classes=args.num_classes,
-            time_inputs=objective.time_inputs, attention=backend,
+            model_name,
+            input_size=side,
+            in_channels=args.channels,
+            num_classes=args.num_classes,
+            time_inputs=objective.time_inputs,
+            attention=backend,
         )
     params = list(model.parameters()) + list(objective.parameters())
     fused = device.type == "cuda"
@@ -217,9 +221,19 @@ def main(argv=None):
         base = fm.get((model_name, tokens, backend, execution), (None, None))
         sdpa = fm.get((model_name, tokens, "sdpa", execution), (None, None))
         cells = [
-            model_name, f"{tokens} x {batch}", execution, objective, backend, mode,
-            "OOM" if ms is None else f"{ms:.1f}", "-" if host is None else f"{host:.1f}", "OOM" if peak is None else ("n/a" if math.isnan(peak) else f"{peak:.2f}"),
-            _ratio(ms, base[0]), _ratio(peak, base[1]), _ratio(ms, sdpa[0]), _ratio(peak, sdpa[1]),
+            model_name,
+            f"{tokens} x {batch}",
+            execution,
+            objective,
+            backend,
+            mode,
+            "OOM" if ms is None else f"{ms:.1f}",
+            "-" if host is None else f"{host:.1f}",
+            "OOM" if peak is None else ("n/a" if math.isnan(peak) else f"{peak:.2f}"),
+            _ratio(ms, base[0]),
+            _ratio(peak, base[1]),
+            _ratio(ms, sdpa[0]),
+            _ratio(peak, sdpa[1]),
         ]
         line = "| " + " | ".join(cells) + " |"
         print(line, flush=True)

@@ -37,7 +37,7 @@ from flm.data import DataConfig, Loader
 from flm.models import MODEL_SIZES, build_model
 from flm.objectives.jvp import record_tangents
 from flm.train import checkpoint, train
-from flm.train.cli import user_error
+from flm.cli import user_error
 from flm.train.config import build_group
 from flm.train.settings import amp_dtype, local_batch_size
 
@@ -62,8 +62,9 @@ def image_side(model: str, tokens: int | None) -> int | None:
         return None
     patch = MODEL_SIZES[model][3]
     if tokens <= 0 or math.isqrt(tokens) ** 2 != tokens:
-        raise ValueError(f"ablate.tokens must be a square number (the image is a square grid of patches), "
-                         f"got {tokens}; e.g. 256, 1024 or 4096")
+        raise ValueError(
+            f"ablate.tokens must be a square number (the image is a square grid of patches), got {tokens}; e.g. 256, 1024 or 4096"
+        )
     return patch * math.isqrt(tokens)
 
 
@@ -97,15 +98,23 @@ class Trained:
     objective: dict[str, torch.Tensor]
 
 
-def train_with(cfg: DictConfig, backend: str, run_dir: str, side: int | None, warmup: int,
-               keep_weights: bool) -> tuple[Result, Trained | None]:
+def train_with(
+    cfg: DictConfig, backend: str, run_dir: str, side: int | None, warmup: int, keep_weights: bool
+) -> tuple[Result, Trained | None]:
     """Train with `backend` into run_dir; a backend that cannot run here (or runs out of memory) is skipped."""
     cfg = copy.deepcopy(cfg)
     cfg.model.attention = backend
     try:
-        train(run_dir=run_dir, model=build_group(cfg, "model"), objective=build_group(cfg, "objective"),
-              data=data_at(cfg, side), optim=build_group(cfg, "optim"), trainer=build_group(cfg, "trainer"),
-              logger=build_group(cfg, "logger"), config=OmegaConf.to_container(cfg, resolve=True))
+        train(
+            run_dir=run_dir,
+            model=build_group(cfg, "model"),
+            objective=build_group(cfg, "objective"),
+            data=data_at(cfg, side),
+            optim=build_group(cfg, "optim"),
+            trainer=build_group(cfg, "trainer"),
+            logger=build_group(cfg, "logger"),
+            config=OmegaConf.to_container(cfg, resolve=True),
+        )
     except Exception as e:
         out_of_memory = isinstance(e, torch.cuda.OutOfMemoryError)
         cause = user_error(e)
@@ -127,14 +136,20 @@ def train_with(cfg: DictConfig, backend: str, run_dir: str, side: int | None, wa
         records = [json.loads(line) for line in f]
     curve = "mse" if "mse" in records[0] else "loss"  # MeanFlow's adaptive-weighted loss stays near 1
     median_ms = statistics.median([r["step_ms"] for r in records][warmup:] or [r["step_ms"] for r in records])
-    result = Result(backend, curve=curve, losses=[float(r[curve]) for r in records], step_ms=median_ms,
-                    images_per_s=cfg.trainer.batch_size * 1000 / median_ms,
-                    peak_gib=max((r["gpu_mem_gib"] for r in records if "gpu_mem_gib" in r), default=None))
+    result = Result(
+        backend,
+        curve=curve,
+        losses=[float(r[curve]) for r in records],
+        step_ms=median_ms,
+        images_per_s=cfg.trainer.batch_size * 1000 / median_ms,
+        peak_gib=max((r["gpu_mem_gib"] for r in records if "gpu_mem_gib" in r), default=None),
+    )
     return result, trained
 
 
-def probe(cfg: DictConfig, backend: str, trained: Trained, dataset, device: torch.device,
-          dtype: torch.dtype | None) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+def probe(
+    cfg: DictConfig, backend: str, trained: Trained, dataset, device: torch.device, dtype: torch.dtype | None
+) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
     """Gradients and JVP tangent of one loss with `backend` at math's final weights, on the first batch.
 
     Every backend gets the same weights, batch and noise, so the differences are the backend's alone.
@@ -189,7 +204,7 @@ def loss_gap(losses: list[float], ref: list[float]) -> tuple[float, float]:
     """
     n = min(len(losses), len(ref))
     q = max(1, n // 4)
-    a, b = torch.tensor(losses[n - q:n], dtype=torch.float64), torch.tensor(ref[n - q:n], dtype=torch.float64)
+    a, b = torch.tensor(losses[n - q : n], dtype=torch.float64), torch.tensor(ref[n - q : n], dtype=torch.float64)
     scale = b.mean().abs().clamp_min(1e-30)
     var = (a.var() + b.var()) / q if q > 1 else torch.zeros((), dtype=torch.float64)
     return ((a.mean() - b.mean()).abs() / scale).item(), (var.sqrt() / scale).item()
@@ -205,10 +220,15 @@ def _fmt(value, spec: str) -> str:
 
 
 def table(results: list[Result], title: str, lines: list[str], curve: str) -> str:
-    out = [f"# {title}", "", *lines, "",
-           f"| backend | ms / step (median) | images / s | peak GiB | final {curve} | {curve} diff | grad rel err "
-           "| tangent rel err | check |",
-           "|---|---|---|---|---|---|---|---|---|"]
+    out = [
+        f"# {title}",
+        "",
+        *lines,
+        "",
+        f"| backend | ms / step (median) | images / s | peak GiB | final {curve} | {curve} diff | grad rel err "
+        "| tangent rel err | check |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in results:
         if r.skipped:
             check = "skipped: " + r.skipped.replace("|", "\\|")
@@ -219,12 +239,21 @@ def table(results: list[Result], title: str, lines: list[str], curve: str) -> st
         else:
             check = "**DRIFT**: " + "; ".join(r.drift) if r.drift else "ok"
         peak = "n/a" if r.peak_gib is None and not r.skipped else _fmt(r.peak_gib, ".2f")
-        out.append(" | ".join([
-            f"| {r.backend}", _fmt(r.step_ms, ".1f"), _fmt(r.images_per_s, ".1f"), peak,
-            _fmt(r.losses[-1] if r.losses else None, ".4f"),
-            "-" if "loss" not in r.diffs else f"{r.diffs['loss']:.1e} ± {r.loss_noise:.0e}",
-            _fmt(r.diffs.get("grad"), ".1e"), _fmt(r.diffs.get("tangent"), ".1e"), f"{check} |",
-        ]))
+        out.append(
+            " | ".join(
+                [
+                    f"| {r.backend}",
+                    _fmt(r.step_ms, ".1f"),
+                    _fmt(r.images_per_s, ".1f"),
+                    peak,
+                    _fmt(r.losses[-1] if r.losses else None, ".4f"),
+                    "-" if "loss" not in r.diffs else f"{r.diffs['loss']:.1e} ± {r.loss_noise:.0e}",
+                    _fmt(r.diffs.get("grad"), ".1e"),
+                    _fmt(r.diffs.get("tangent"), ".1e"),
+                    f"{check} |",
+                ]
+            )
+        )
     return "\n".join(out) + "\n"
 
 
@@ -266,8 +295,10 @@ def environment(device: torch.device, dtype: torch.dtype | None) -> str:
         triton_version = "not installed"
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     cuda = f", CUDA {torch.version.cuda}" if device.type == "cuda" else ""
-    return (f"{name}; torch {torch.__version__}{cuda}, triton {triton_version}; "
-            f"{'bf16 autocast' if dtype == torch.bfloat16 else 'fp32'}")
+    return (
+        f"{name}; torch {torch.__version__}{cuda}, triton {triton_version}; "
+        f"{'bf16 autocast' if dtype == torch.bfloat16 else 'fp32'}"
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -281,8 +312,9 @@ def ablate(cfg: DictConfig, run_dir: str, command: str = "python ablate.py") -> 
     backends = sorted(dict.fromkeys(a.backends), key=lambda b: b != "math")  # math first, no repeats
     unknown = [b for b in backends if b not in BACKENDS]
     if unknown:
-        raise ValueError(f"ablate.backends has unknown attention backend(s) {', '.join(unknown)}; "
-                         f"valid names: {', '.join(BACKENDS)}")
+        raise ValueError(
+            f"ablate.backends has unknown attention backend(s) {', '.join(unknown)}; valid names: {', '.join(BACKENDS)}"
+        )
     model = cfg.model.name
     side = image_side(model, a.tokens)
     device = dist.init(cfg.trainer.device)
@@ -296,8 +328,7 @@ def ablate(cfg: DictConfig, run_dir: str, command: str = "python ablate.py") -> 
     results, reference = [], None
     for backend in backends:
         dist.info0(f"ablation: {backend}")
-        result, trained = train_with(cfg, backend, os.path.join(run_dir, backend), side, a.warmup,
-                                     keep_weights=backend == "math")
+        result, trained = train_with(cfg, backend, os.path.join(run_dir, backend), side, a.warmup, keep_weights=backend == "math")
         results.append(result)
         reference = reference or trained
     if reference is not None:  # after all the runs, so that the probes add nothing to their peak memory
@@ -311,8 +342,10 @@ def ablate(cfg: DictConfig, run_dir: str, command: str = "python ablate.py") -> 
 
     curve = next((r.curve for r in results if not r.skipped), "loss")
     tokens = a.tokens or "native"
-    title = (f"Attention backends: {model}, {cfg.objective.name}, {tokens} tokens, batch {cfg.trainer.batch_size}, "
-             f"{cfg.trainer.max_steps} steps, seed {cfg.trainer.seed}")
+    title = (
+        f"Attention backends: {model}, {cfg.objective.name}, {tokens} tokens, batch {cfg.trainer.batch_size}, "
+        f"{cfg.trainer.max_steps} steps, seed {cfg.trainer.seed}"
+    )
     lines = [
         f"Device: {environment(device, dtype)}.",
         f"Data: {cfg.data.name}" + (f" resized to {side}x{side}" if side else "") + ".",
@@ -326,8 +359,7 @@ def ablate(cfg: DictConfig, run_dir: str, command: str = "python ablate.py") -> 
     with open(os.path.join(run_dir, "ablation.md"), "w") as f:
         f.write(table(results, title, lines, curve))
     plot(results, title, os.path.join(run_dir, "ablation.png"), curve)
-    numbers = [{f.name: getattr(r, f.name) for f in dataclasses.fields(r) if f.name not in ("grads", "tangent")}
-               for r in results]
+    numbers = [{f.name: getattr(r, f.name) for f in dataclasses.fields(r) if f.name not in ("grads", "tangent")} for r in results]
     with open(os.path.join(run_dir, "ablation.json"), "w") as f:
         json.dump({"title": title, "command": command, "tolerances": tols, "results": numbers}, f, indent=1)
     dist.info0(f"ablation: {os.path.join(run_dir, 'ablation.md')} and ablation.png")

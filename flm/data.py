@@ -29,12 +29,27 @@ SPLITS = ("train", "test")
 
 # torchvision's folder layout under `root`, and the files each split needs there.
 _TORCHVISION = {
-    "mnist": ("MNIST", "MNIST/raw", {"train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
-                                     "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")}),
-    "fashion_mnist": ("FashionMNIST", "FashionMNIST/raw", {"train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
-                                                           "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")}),
-    "cifar10": ("CIFAR10", "cifar-10-batches-py", {"train": ("data_batch_1", "data_batch_5", "batches.meta"),
-                                                   "test": ("test_batch", "batches.meta")}),
+    "mnist": (
+        "MNIST",
+        "MNIST/raw",
+        {
+            "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
+            "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
+        },
+    ),
+    "fashion_mnist": (
+        "FashionMNIST",
+        "FashionMNIST/raw",
+        {
+            "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
+            "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
+        },
+    ),
+    "cifar10": (
+        "CIFAR10",
+        "cifar-10-batches-py",
+        {"train": ("data_batch_1", "data_batch_5", "batches.meta"), "test": ("test_batch", "batches.meta")},
+    ),
 }
 _FETCH_HINT = {
     "mnist": "scripts/fetch-data.sh ROOT mnist (from the flm repository's shared scripts) writes them",
@@ -79,12 +94,14 @@ class ImageFiles(torch.utils.data.Dataset):
         from torchvision.datasets import ImageFolder
 
         mode = {1: "L", 3: "RGB"}[channels]
-        transform = T.Compose([
-            T.Lambda(lambda im: im.convert(mode)),
-            T.Resize(resolution),
-            T.CenterCrop(resolution),
-            T.PILToTensor(),
-        ])
+        transform = T.Compose(
+            [
+                T.Lambda(lambda im: im.convert(mode)),
+                T.Resize(resolution),
+                T.CenterCrop(resolution),
+                T.PILToTensor(),
+            ]
+        )
         try:
             self.folder = ImageFolder(root, transform=transform)
         except FileNotFoundError as e:
@@ -180,16 +197,23 @@ def _torchvision(name: str, root: str, download: bool, split: str = "train") -> 
         ds = getattr(tvd, cls_name)(root, train=split == "train", download=not have)
     except Exception as e:  # no network, a blocked mirror, a bad archive: all end the same way
         raise FileNotFoundError(
-            f"{name} not found in {folder!r} and the download failed ({type(e).__name__}: {e}); "
-            f"{_FETCH_HINT[name]}"
+            f"{name} not found in {folder!r} and the download failed ({type(e).__name__}: {e}); {_FETCH_HINT[name]}"
         ) from None
     images = torch.as_tensor(np.asarray(ds.data))
     images = images[:, None] if images.dim() == 3 else images.permute(0, 3, 1, 2)  # (N, C, H, W)
     return ImageTensors(images.contiguous(), torch.as_tensor(ds.targets), len(ds.classes))
 
 
-def build_dataset(name: str, *, root: str = "data", download: bool = True, resolution: int | None = None,
-                  channels: int = 3, split: str = "train", vae: str | None = None):
+def build_dataset(
+    name: str,
+    *,
+    root: str = "data",
+    download: bool = True,
+    resolution: int | None = None,
+    channels: int = 3,
+    split: str = "train",
+    vae: str | None = None,
+):
     """One of DATASETS. `root` holds torchvision's layout (or the class folders for imagefolder);
     `resolution`: imagefolder's images are resized and centre-cropped to it as they are read, the other
     datasets' resized to it (None: their own size); `channels` applies to imagefolder only. `split`:
@@ -248,8 +272,9 @@ class DataConfig:
             raise ValueError(f"data.num_workers must be >= 0, got {self.num_workers}")
 
     def build(self):
-        return build_dataset(self.name, root=self.root, download=self.download, resolution=self.resolution,
-                             channels=self.channels, vae=self.vae)
+        return build_dataset(
+            self.name, root=self.root, download=self.download, resolution=self.resolution, channels=self.channels, vae=self.vae
+        )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -279,8 +304,18 @@ class Loader:
     images, so it stays valid when a run resumes under another world size.
     """
 
-    def __init__(self, dataset, *, batch_size: int, rank: int, world_size: int, seed: int,
-                 grad_accum: int = 1, hflip: bool = False, num_workers: int = 0):
+    def __init__(
+        self,
+        dataset,
+        *,
+        batch_size: int,
+        rank: int,
+        world_size: int,
+        seed: int,
+        grad_accum: int = 1,
+        hflip: bool = False,
+        num_workers: int = 0,
+    ):
         self.dataset, self.batch_size, self.rank, self.world_size = dataset, batch_size, rank, world_size
         self.seed, self.hflip, self.num_workers = seed, hflip, num_workers
         self.global_batch = batch_size * world_size
@@ -316,16 +351,20 @@ class Loader:
         perm, flips = self._epoch_plan(self.epoch)
         # rank r's slice of global batch b: [b * global_batch + r * batch_size, ... + batch_size)
         starts = [b * self.global_batch + self.rank * self.batch_size for b in range(self.batch, self.batches_per_epoch)]
-        index_lists = [perm[s: s + self.batch_size] for s in starts]
-        flip_lists = [flips[s: s + self.batch_size] for s in starts]
+        index_lists = [perm[s : s + self.batch_size] for s in starts]
+        flip_lists = [flips[s : s + self.batch_size] for s in starts]
         stored = self.hflip and getattr(self.dataset, "stored_flips", False)  # a dataset of the user's may not say
         if stored:
             index_lists = [idx + len(self.dataset) * flip for idx, flip in zip(index_lists, flip_lists)]
         index_lists = [idx.tolist() for idx in index_lists]
         if self.num_workers > 0:
             batches = torch.utils.data.DataLoader(
-                self.dataset, batch_sampler=index_lists, num_workers=self.num_workers,
-                collate_fn=_collate, persistent_workers=False, pin_memory=torch.cuda.is_available(),
+                self.dataset,
+                batch_sampler=index_lists,
+                num_workers=self.num_workers,
+                collate_fn=_collate,
+                persistent_workers=False,
+                pin_memory=torch.cuda.is_available(),
             )
         else:
             batches = (self.dataset.__getitems__(idx) for idx in index_lists)

@@ -57,8 +57,11 @@ def init(device: str = "auto", timeout_s: float = 600.0) -> torch.device:
     if use_cuda:
         torch.cuda.set_device(dev)
     if int(os.environ.get("WORLD_SIZE", 1)) > 1 and not is_initialized():
-        dist.init_process_group(backend="nccl" if use_cuda else "gloo", device_id=dev if use_cuda else None,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        dist.init_process_group(
+            backend="nccl" if use_cuda else "gloo",
+            device_id=dev if use_cuda else None,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
     return dev
 
 
@@ -128,8 +131,7 @@ def check_in_sync(step: int, *modules) -> None:
     if not is_initialized():
         return
     names, sums = [], []
-    named = [(f"{type(m).__name__}.{n}", p) for m in modules if isinstance(m, torch.nn.Module)
-             for n, p in m.named_parameters()]
+    named = [(f"{type(m).__name__}.{n}", p) for m in modules if isinstance(m, torch.nn.Module) for n, p in m.named_parameters()]
     for name, p in named:
         if isinstance(p, DTensor):
             if not all(placement.is_replicate() for placement in p.placements):

@@ -56,14 +56,20 @@ def disk_error(e: BaseException, path: str, needed_bytes: int | None) -> DiskErr
     folder = existing_parent(os.path.dirname(os.path.abspath(path)))
     code = e.errno if isinstance(e, OSError) else None
     if code in (errno.EROFS, errno.EACCES, errno.EPERM):
-        return DiskError(code, f"cannot write {path!r}: {os.strerror(code)} in {folder!r}; make the folder writable "
-                             f"or write elsewhere (run_dir=... for train.py, out=... for sample.py)")
+        return DiskError(
+            code,
+            f"cannot write {path!r}: {os.strerror(code)} in {folder!r}; make the folder writable "
+            f"or write elsewhere (run_dir=... for train.py, out=... for sample.py)",
+        )
     free = shutil.disk_usage(folder).free
     if code in (errno.ENOSPC, errno.EDQUOT) or (needed_bytes is not None and free < needed_bytes):
         need = f"about {_size(needed_bytes)}" if needed_bytes is not None else "more"
-        return DiskError(errno.ENOSPC, f"disk full: writing {path!r} on {mount_point(folder)!r} needs {need}, "
-                                     f"{_size(free)} free; nothing was written and earlier files are intact. "
-                                     f"Free some space there or write elsewhere")
+        return DiskError(
+            errno.ENOSPC,
+            f"disk full: writing {path!r} on {mount_point(folder)!r} needs {need}, "
+            f"{_size(free)} free; nothing was written and earlier files are intact. "
+            f"Free some space there or write elsewhere",
+        )
     return None
 
 
@@ -108,8 +114,10 @@ def lock_folder(folder: str) -> None:
     except BlockingIOError:
         holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
         os.close(fd)
-        raise ValueError(f"run folder {folder!r} is in use by another run (process {holder} holds "
-                         f"{os.path.join(folder, LOCK_NAME)}); wait for it to end or choose another run_dir") from None
+        raise ValueError(
+            f"run folder {folder!r} is in use by another run (process {holder} holds "
+            f"{os.path.join(folder, LOCK_NAME)}); wait for it to end or choose another run_dir"
+        ) from None
     os.ftruncate(fd, 0)
     os.write(fd, f"{os.getpid()}\n".encode())
     _HELD[folder] = fd

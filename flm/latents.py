@@ -39,12 +39,15 @@ def load_vae(name: str, device="cpu"):
     except ImportError:
         raise ImportError(f"VAE latents need diffusers: {INSTALL_HINT}") from None
     if not name:
-        raise ValueError("no VAE given: pass vae=<diffusers AutoencoderKL hub id or local folder>, "
-                         "e.g. vae=stabilityai/sd-vae-ft-ema")
+        raise ValueError(
+            "no VAE given: pass vae=<diffusers AutoencoderKL hub id or local folder>, e.g. vae=stabilityai/sd-vae-ft-ema"
+        )
     looks_local = os.path.isabs(name) or name.startswith(".") or os.path.exists(name) or name.count("/") > 1
     if looks_local and not os.path.isdir(name):
-        raise FileNotFoundError(f"VAE folder {name!r} does not exist; pass vae=<a folder with config.json and "
-                                f"diffusion_pytorch_model.safetensors> or a hub id such as stabilityai/sd-vae-ft-ema")
+        raise FileNotFoundError(
+            f"VAE folder {name!r} does not exist; pass vae=<a folder with config.json and "
+            f"diffusion_pytorch_model.safetensors> or a hub id such as stabilityai/sd-vae-ft-ema"
+        )
     try:
         vae = AutoencoderKL.from_pretrained(name, use_safetensors=True, low_cpu_mem_usage=False)  # no accelerate needed
     except Exception as e:  # no network, an unknown id, a folder without weights: all end the same way
@@ -81,12 +84,20 @@ class LatentInfo:
     @classmethod
     def from_dict(cls, d: dict, where: str = "the checkpoint") -> "LatentInfo":
         try:
-            return cls(vae=str(d["vae"]), resolution=int(d["resolution"]), scaling_factor=float(d["scaling_factor"]),
-                       shift_factor=float(d["shift_factor"]), channel_mean=[float(v) for v in d["channel_mean"]],
-                       channel_std=[float(v) for v in d["channel_std"]], source=dict(d["source"]))
+            return cls(
+                vae=str(d["vae"]),
+                resolution=int(d["resolution"]),
+                scaling_factor=float(d["scaling_factor"]),
+                shift_factor=float(d["shift_factor"]),
+                channel_mean=[float(v) for v in d["channel_mean"]],
+                channel_std=[float(v) for v in d["channel_std"]],
+                source=dict(d["source"]),
+            )
         except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"{where}: the latent record is malformed ({type(e).__name__}: {e}); prepare the latents "
-                             f"again with prepare_latents.py") from None
+            raise ValueError(
+                f"{where}: the latent record is malformed ({type(e).__name__}: {e}); prepare the latents "
+                f"again with prepare_latents.py"
+            ) from None
 
 
 class Decoder:
@@ -105,7 +116,7 @@ class Decoder:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         out = []
         for lo in range(0, len(x), self.batch_size):
-            z = self.info.from_model(x[lo: lo + self.batch_size].float().to(self.device))
+            z = self.info.from_model(x[lo : lo + self.batch_size].float().to(self.device))
             out.append(self.vae.decode(z).sample.float().clamp(-1, 1).cpu())
         return torch.cat(out)
 
@@ -127,8 +138,9 @@ def _vae_factor(vae, key: str, default: float) -> float:
 
 
 @torch.no_grad()
-def encode_dataset(dataset, vae, vae_name: str, out: str, *, source: dict, batch_size: int = 64,
-                   shard_size: int = 10_000, log=print) -> dict:
+def encode_dataset(
+    dataset, vae, vae_name: str, out: str, *, source: dict, batch_size: int = 64, shard_size: int = 10_000, log=print
+) -> dict:
     """Encode every image of `dataset` ((N, C, H, W) in [-1, 1] batches) and its horizontal flip into `out`.
     Returns the meta record (also written to out/meta.json, last)."""
     if os.path.isfile(os.path.join(out, META)):
@@ -161,11 +173,21 @@ def encode_dataset(dataset, vae, vae_name: str, out: str, *, source: dict, batch
     mean = (total / count).tolist()
     std = (total_sq / count - (total / count).square()).clamp(min=0).sqrt().tolist()
     meta = {
-        "format": FORMAT, "version": 1, "vae": vae_name, "resolution": int(dataset.resolution),
-        "latent_shape": list(latents[0].shape[2:]), "dtype": "float16", "flips": True,
-        "scaling_factor": _vae_factor(vae, "scaling_factor", 1.0), "shift_factor": _vae_factor(vae, "shift_factor", 0.0),
-        "channel_mean": mean, "channel_std": std, "num_images": n, "num_classes": int(dataset.num_classes),
-        "source": source, "shards": shards,
+        "format": FORMAT,
+        "version": 1,
+        "vae": vae_name,
+        "resolution": int(dataset.resolution),
+        "latent_shape": list(latents[0].shape[2:]),
+        "dtype": "float16",
+        "flips": True,
+        "scaling_factor": _vae_factor(vae, "scaling_factor", 1.0),
+        "shift_factor": _vae_factor(vae, "shift_factor", 0.0),
+        "channel_mean": mean,
+        "channel_std": std,
+        "num_images": n,
+        "num_classes": int(dataset.num_classes),
+        "source": source,
+        "shards": shards,
     }
     write_json(os.path.join(out, META), meta)
     return meta
@@ -184,13 +206,17 @@ def _save_npy(path: str, array: np.ndarray) -> None:
 def read_meta(root: str) -> dict:
     path = os.path.join(root, META)
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"{root!r} is not a latent folder (no {META}): write one with python prepare_latents.py "
-                                f"data=imagefolder data.root=<images> vae=<VAE> out={root}")
+        raise FileNotFoundError(
+            f"{root!r} is not a latent folder (no {META}): write one with python prepare_latents.py "
+            f"data=imagefolder data.root=<images> vae=<VAE> out={root}"
+        )
     with open(path) as f:
         meta = json.load(f)
     if meta.get("format") != FORMAT:
-        raise ValueError(f"{path!r} is not an flm latent record (format {meta.get('format')!r}); prepare the folder "
-                         f"again with prepare_latents.py")
+        raise ValueError(
+            f"{path!r} is not an flm latent record (format {meta.get('format')!r}); prepare the folder "
+            f"again with prepare_latents.py"
+        )
     return meta
 
 
@@ -211,19 +237,24 @@ class LatentFiles(torch.utils.data.Dataset):
         self.root, self.meta = root, read_meta(root)
         meta = self.meta
         if resolution is not None and resolution != meta["resolution"]:
-            raise ValueError(f"latent folder {root!r} holds {meta['resolution']}x{meta['resolution']} images, but "
-                             f"data.resolution={resolution}; prepare latents at {resolution} or set "
-                             f"data.resolution={meta['resolution']}")
+            raise ValueError(
+                f"latent folder {root!r} holds {meta['resolution']}x{meta['resolution']} images, but "
+                f"data.resolution={resolution}; prepare latents at {resolution} or set "
+                f"data.resolution={meta['resolution']}"
+            )
         if vae and not same_vae(vae, meta["vae"]):
-            raise ValueError(f"latent folder {root!r} was encoded with VAE {meta['vae']!r}, but data.vae={vae!r}; "
-                             f"prepare latents with that VAE or set data.vae={meta['vae']}")
+            raise ValueError(
+                f"latent folder {root!r} was encoded with VAE {meta['vae']!r}, but data.vae={vae!r}; "
+                f"prepare latents with that VAE or set data.vae={meta['vae']}"
+            )
         self.info = LatentInfo.from_dict({**meta, "source": meta["source"]}, os.path.join(root, META))
         self.channels, self.resolution = int(meta["latent_shape"][0]), int(meta["latent_shape"][1])
         self.num_classes, self.n = int(meta["num_classes"]), int(meta["num_images"])
         self.offsets = np.cumsum([0] + [s["n"] for s in meta["shards"]])
         if self.offsets[-1] != self.n:
-            raise ValueError(f"latent folder {root!r}: its shards hold {self.offsets[-1]} images, meta.json says {self.n}; "
-                             f"prepare it again")
+            raise ValueError(
+                f"latent folder {root!r}: its shards hold {self.offsets[-1]} images, meta.json says {self.n}; prepare it again"
+            )
         self.labels = np.concatenate([np.load(os.path.join(root, s["labels"])) for s in meta["shards"]])
         self._arrays = None
 
@@ -251,5 +282,9 @@ def reference_source(info: dict, root: str | None = None) -> dict:
     """The DataConfig fields of the images a latent run's reference statistics come from: the encoded source
     images (`root` overriding their folder)."""
     source = dict(info["source"])
-    return {"name": source["name"], "root": root or source["root"], "resolution": int(info["resolution"]),
-            "channels": int(source.get("channels", 3))}
+    return {
+        "name": source["name"],
+        "root": root or source["root"],
+        "resolution": int(info["resolution"]),
+        "channels": int(source.get("channels", 3)),
+    }

@@ -62,6 +62,7 @@ def drop_after(path: str, step: int) -> None:
         lines = f.readlines()
     keep = [line for line in lines if _step_of(line) <= step]
     if len(keep) < len(lines):
+
         def write(tmp):
             with open(tmp, "w") as f:
                 f.writelines(keep)
@@ -79,8 +80,7 @@ def _step_of(line: str) -> float:
 class RunLogger:
     """Console progress, run_dir/metrics.jsonl (one JSON object per logged step) and optional wandb."""
 
-    def __init__(self, run_dir: str, config: LoggerConfig, *, run_config: dict | None = None,
-                 resumed_at: int | None = None):
+    def __init__(self, run_dir: str, config: LoggerConfig, *, run_config: dict | None = None, resumed_at: int | None = None):
         self.active = dist.is_main()
         self.wandb = None
         if not self.active:
@@ -96,14 +96,14 @@ class RunLogger:
             drop_after(path, resumed_at)
         self.file = open(path, "a")  # noqa: SIM115 (open for the whole run; close() closes it)
         if config.wandb:
-            self.wandb = wandb.init(project=config.project, name=config.name, mode=config.mode,
-                                    dir=run_dir, config=run_config, resume="allow")
+            self.wandb = wandb.init(
+                project=config.project, name=config.name, mode=config.mode, dir=run_dir, config=run_config, resume="allow"
+            )
 
     def log(self, step: int, metrics: dict) -> None:
         if not self.active:
             return
-        clean = {k: (float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v)
-                 for k, v in metrics.items()}
+        clean = {k: (float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v) for k, v in metrics.items()}
         # json has no NaN/inf; write them as strings so the file stays valid JSON
         clean = {k: (str(v) if isinstance(v, float) and not math.isfinite(v) else v) for k, v in clean.items()}
         self.file.write(json.dumps({"step": step, "time": time.time(), **clean}) + "\n")

@@ -110,9 +110,7 @@ class Linear(nn.Linear):
 
 def _ln_vjp(g, x, mean, rstd):
     """(dx_hat/dx)^T g = (dx_hat/dx) g, in one fused kernel."""
-    return torch.ops.aten.native_layer_norm_backward(
-        g, x, (x.shape[-1],), mean, rstd, None, None, (True, False, False)
-    )[0]
+    return torch.ops.aten.native_layer_norm_backward(g, x, (x.shape[-1],), mean, rstd, None, None, (True, False, False))[0]
 
 
 class _LayerNorm(torch.autograd.Function):

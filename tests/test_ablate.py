@@ -15,8 +15,16 @@ from .train.conftest import ROOT, TINY, run_script
 # DiT-T/2 on 4x4 patches, 3 steps; a large learning rate so attention counts by the end (DiT's zero-init
 # gates keep it out of the first steps).
 ABLATE = [
-    "model=DiT-T/2", "ablate.tokens=16", "trainer.batch_size=4", "trainer.max_steps=3", "trainer.sample_n=2",
-    "trainer.sample_steps=1", "trainer.device=cpu", "optim.lr=1e-2", "optim.warmup_steps=0", "ablate.warmup=1",
+    "model=DiT-T/2",
+    "ablate.tokens=16",
+    "trainer.batch_size=4",
+    "trainer.max_steps=3",
+    "trainer.sample_n=2",
+    "trainer.sample_steps=1",
+    "trainer.device=cpu",
+    "optim.lr=1e-2",
+    "optim.warmup_steps=0",
+    "ablate.warmup=1",
 ]
 
 
@@ -32,7 +40,12 @@ def test_ablation_table_plot_and_flags(tmp_path):
     ablate(cfg, str(tmp_path), command="pytest")
     md = (tmp_path / "ablation.md").read_text()
     assert [line.split(" | ")[0] for line in md.splitlines() if line.startswith("| ") and "---" not in line] == [
-        "| backend", "| math", "| sdpa", "| flash", "| triton_jvp"]
+        "| backend",
+        "| math",
+        "| sdpa",
+        "| flash",
+        "| triton_jvp",
+    ]
     assert row(md, "math")[-1] == "reference" and float(row(md, "math")[1]) > 0
     assert row(md, "flash")[-1].startswith("skipped: attention backend 'flash' needs a CUDA GPU")
     for backend in ("sdpa", "triton_jvp"):
@@ -65,8 +78,15 @@ def test_tokens_must_be_square():
 
 
 def test_multirun_records_metrics_per_backend(tmp_path):
-    rc, out, err = run_script("train", "-m", *TINY, "trainer.max_steps=2", "trainer.log_every=1",
-                              "attention=math,flash,sdpa", f"hydra.sweep.dir={tmp_path}")
+    rc, out, err = run_script(
+        "train",
+        "-m",
+        *TINY,
+        "trainer.max_steps=2",
+        "trainer.log_every=1",
+        "attention=math,flash,sdpa",
+        f"hydra.sweep.dir={tmp_path}",
+    )
     if torch.cuda.is_available():
         pytest.skip("checks that flash fails its job on a machine without CUDA")
     assert rc == 1 and "error: 1 job(s) failed" in err and "job 1 (" in err and "'flash' needs a CUDA GPU" in err

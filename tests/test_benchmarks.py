@@ -20,7 +20,10 @@ def load(name):
 def test_overrides_split_outside_brackets():
     quality = load("quality")
     assert quality.split_overrides("optim.lr=1e-3,trainer.ema_decays=[0.99,0.999],a=b") == [
-        "optim.lr=1e-3", "trainer.ema_decays=[0.99,0.999]", "a=b"]
+        "optim.lr=1e-3",
+        "trainer.ema_decays=[0.99,0.999]",
+        "a=b",
+    ]
     assert quality.split_overrides("") == []
 
 
@@ -35,16 +38,28 @@ def test_weights_options():
 
 def entry(name, objective, fids):
     results = {f"fid_steps{k}": v for k, v in fids.items()}
-    return {"name": name, "objective": objective, "train_steps": 10, "step_ms": 1.0, "gpu_s": 0.01, "overrides": [],
-            "evals": {"ema0.99": {"results": results}}}
+    return {
+        "name": name,
+        "objective": objective,
+        "train_steps": 10,
+        "step_ms": 1.0,
+        "gpu_s": 0.01,
+        "overrides": [],
+        "evals": {"ema0.99": {"results": results}},
+    }
 
 
 def test_report_divides_by_the_best_flow_matching_50_step_fid(tmp_path):
     quality = load("quality")
-    results = {"a": entry("a", "flow_matching", {50: 10.0, 2: 30.0}),
-               "b": entry("b", "flow_matching", {50: 8.0, 2: 20.0}),
-               "c": {**entry("c", "scd", {1: 12.0, 2: 9.0}), "evals": None, "eval": {"results": {"fid_steps1": 12.0,
-                                                                                                   "fid_steps2": 9.0}}}}
+    results = {
+        "a": entry("a", "flow_matching", {50: 10.0, 2: 30.0}),
+        "b": entry("b", "flow_matching", {50: 8.0, 2: 20.0}),
+        "c": {
+            **entry("c", "scd", {1: 12.0, 2: 9.0}),
+            "evals": None,
+            "eval": {"results": {"fid_steps1": 12.0, "fid_steps2": 9.0}},
+        },
+    }
     for r in results.values():
         r.update(device="CPU", torch="-", triton="-", command="-")
     quality.report(json.loads(json.dumps(results)), tmp_path / "q.md")
@@ -54,8 +69,9 @@ def test_report_divides_by_the_best_flow_matching_50_step_fid(tmp_path):
 
 
 def test_train_step_runs_the_distillation_rows(capsys):
-    load("train_step").main(["--tiny", "--objectives", "flow_matching,scd,rcm", "--backends", "math", "--modes", "dual",
-                             "--no-sdpa-baseline"])
+    load("train_step").main(
+        ["--tiny", "--objectives", "flow_matching,scd,rcm", "--backends", "math", "--modes", "dual", "--no-sdpa-baseline"]
+    )
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| DiT-T/2")]
     assert [row.split("|")[4].strip() for row in rows] == ["flow_matching", "scd", "rcm"]
     assert all(float(row.split("|")[7]) > 0 for row in rows)

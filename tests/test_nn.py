@@ -1,6 +1,6 @@
 """flm.nn layers: exact backward and jvp against the plain ops, tangents without a graph.
 
-    python -m pytest tests/test_nn.py -q
+python -m pytest tests/test_nn.py -q
 """
 
 import pytest

@@ -42,8 +42,7 @@ def unsupported(device: torch.device, dtype: torch.dtype, head_dim: int) -> str 
     if device.type != "cuda":
         return f"needs a CUDA GPU, but the inputs are on {device}; use backend='sdpa' or 'math' on this machine"
     if dtype not in (torch.float16, torch.bfloat16):
-        return (f"needs fp16 or bf16 inputs, got {dtype}; cast the inputs (or run under torch.autocast) "
-                "or use backend='sdpa'")
+        return f"needs fp16 or bf16 inputs, got {dtype}; cast the inputs (or run under torch.autocast) or use backend='sdpa'"
     if head_dim > 256 or head_dim % 8:
         return f"needs a head dim that is a multiple of 8 and at most 256, got {head_dim}; use backend='sdpa'"
     return None

@@ -12,14 +12,10 @@ def check_qkv(q, k, v, *, causal: bool) -> None:
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
         if x.dim() != 4:
-            raise ValueError(
-                f"{name} must have 4 dims (batch, heads, tokens, head_dim), got shape {tuple(x.shape)}"
-            )
+            raise ValueError(f"{name} must have 4 dims (batch, heads, tokens, head_dim), got shape {tuple(x.shape)}")
     b, h, lq, d = q.shape
     if k.shape[0] != b or k.shape[1] != h or k.shape[3] != d:
-        raise ValueError(
-            f"k has shape {tuple(k.shape)}, expected ({b}, {h}, Lkv, {d}) to match q {tuple(q.shape)}"
-        )
+        raise ValueError(f"k has shape {tuple(k.shape)}, expected ({b}, {h}, Lkv, {d}) to match q {tuple(q.shape)}")
     if v.shape != k.shape:
         raise ValueError(f"v has shape {tuple(v.shape)}, expected {tuple(k.shape)} (the shape of k)")
     for name, x in zip(_NAMES[1:], (k, v)):
@@ -55,9 +51,7 @@ def unpack_duals(q, k, v):
     if all(u.tangent is None for u in unpacked):
         return (q, k, v), None
     primals = tuple(u.primal for u in unpacked)
-    tangents = tuple(
-        torch.zeros_like(u.primal) if u.tangent is None else u.tangent for u in unpacked
-    )
+    tangents = tuple(torch.zeros_like(u.primal) if u.tangent is None else u.tangent for u in unpacked)
     return primals, tangents
 
 

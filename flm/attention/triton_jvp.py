@@ -44,9 +44,23 @@ def flash_attn_bwd(do, q, k, v, o, lse, causal, scale):
     t = lambda x: x.transpose(1, 2).contiguous()  # noqa: E731
     dq, dk, dv = (torch.empty_like(t(x)) for x in (q, k, v))
     _flash_attn_backward()(
-        t(do), t(q), t(k), t(v), t(o), lse.contiguous(), dq, dk, dv,
-        dropout_p=0.0, softmax_scale=scale, causal=causal, window_size_left=-1, window_size_right=-1,
-        softcap=0.0, alibi_slopes=None, deterministic=False,
+        t(do),
+        t(q),
+        t(k),
+        t(v),
+        t(o),
+        lse.contiguous(),
+        dq,
+        dk,
+        dv,
+        dropout_p=0.0,
+        softmax_scale=scale,
+        causal=causal,
+        window_size_left=-1,
+        window_size_right=-1,
+        softcap=0.0,
+        alibi_slopes=None,
+        deterministic=False,
     )
     return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
@@ -56,7 +70,20 @@ def torch_fa2_bwd(do, q, k, v, o, lse, causal, scale):
     seed = torch.empty(2, dtype=torch.uint64, device=q.device)  # unused without dropout
     offset = torch.empty((), dtype=torch.uint64, device=q.device)
     return torch.ops.aten._scaled_dot_product_flash_attention_backward(
-        do, q, k, v, o, lse.contiguous(), None, None, q.shape[2], k.shape[2], 0.0, causal, seed, offset,
+        do,
+        q,
+        k,
+        v,
+        o,
+        lse.contiguous(),
+        None,
+        None,
+        q.shape[2],
+        k.shape[2],
+        0.0,
+        causal,
+        seed,
+        offset,
         scale=scale,
     )
 
@@ -132,8 +159,9 @@ def _(do, q, k, v, o, lse, causal, scale):
 
 @functools.cache
 def _warn_flash_attn_signature(err: Exception) -> None:
-    warnings.warn(f"flash_attn's backward did not accept flm's call ({err}); using PyTorch's FlashAttention-2 backward",
-                  stacklevel=2)
+    warnings.warn(
+        f"flash_attn's backward did not accept flm's call ({err}); using PyTorch's FlashAttention-2 backward", stacklevel=2
+    )
 
 
 def _op(op, impl):
@@ -245,8 +273,7 @@ def attention_jvp(q, k, v, *, causal: bool, scale: float) -> Tensor:
 def check_available(device: torch.device, dtype: torch.dtype, head_dim: int) -> None:
     if dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(
-            f"attention backend 'triton_jvp' takes fp16, bf16 or fp32 inputs, got {dtype}; "
-            "cast the inputs or use backend='math'"
+            f"attention backend 'triton_jvp' takes fp16, bf16 or fp32 inputs, got {dtype}; cast the inputs or use backend='math'"
         )
     if device.type != "cuda" and not interpreted():
         raise ValueError(

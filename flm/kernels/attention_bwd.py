@@ -19,10 +19,24 @@ from flm.kernels.attention_fwd import interpreted
 
 @triton.jit
 def _bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV,
-    H, LQ, LKV, scale,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
+    Q,
+    K,
+    V,
+    DO,
+    LSE,
+    DELTA,
+    DK,
+    DV,
+    H,
+    LQ,
+    LKV,
+    scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     start_n = tl.program_id(0)
     off_bh = tl.program_id(1).to(tl.int64)
@@ -61,10 +75,23 @@ def _bwd_dkdv_kernel(
 
 @triton.jit
 def _bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ,
-    H, LQ, LKV, scale,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
+    Q,
+    K,
+    V,
+    DO,
+    LSE,
+    DELTA,
+    DQ,
+    H,
+    LQ,
+    LKV,
+    scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     start_m = tl.program_id(0)
     off_bh = tl.program_id(1).to(tl.int64)
@@ -114,7 +141,11 @@ def attention_bwd(do, q, k, v, o, lse, *, causal: bool, scale: float):
     block_d = max(16, triton.next_power_of_2(d))
     block = 16 if interpreted() or block_d > 128 else 32
     meta = dict(
-        HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=block, BLOCK_N=block, CAUSAL=causal,
+        HEAD_DIM=d,
+        BLOCK_D=block_d,
+        BLOCK_M=block,
+        BLOCK_N=block,
+        CAUSAL=causal,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )
     _bwd_dkdv_kernel[(triton.cdiv(lkv, block), b * h)](q, k, v, do, lse, delta, dk, dv, h, lq, lkv, scale, **meta)

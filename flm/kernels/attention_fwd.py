@@ -39,11 +39,32 @@ def _rows(ptr, off_b, off_h, stride_b, stride_h):
 
 @triton.jit
 def _fwd_inner(
-    acc, acc_t, l_i, m_i, r_i,
-    q, tq, k_ptrs, v_ptrs, tk_ptrs, tv_ptrs,
-    stride_kn, stride_vn, stride_tkn, stride_tvn,
-    offs_m, offs_n, lo, hi, LKV, scale, qk_scale,
-    BLOCK_N: tl.constexpr, HAS_TANGENT: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
+    acc,
+    acc_t,
+    l_i,
+    m_i,
+    r_i,
+    q,
+    tq,
+    k_ptrs,
+    v_ptrs,
+    tk_ptrs,
+    tv_ptrs,
+    stride_kn,
+    stride_vn,
+    stride_tkn,
+    stride_tvn,
+    offs_m,
+    offs_n,
+    lo,
+    hi,
+    LKV,
+    scale,
+    qk_scale,
+    BLOCK_N: tl.constexpr,
+    HAS_TANGENT: tl.constexpr,
+    MASK: tl.constexpr,
+    CAUSAL: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     """Accumulate key blocks [lo, hi). MASK: the range holds the ragged end or the causal diagonal."""
@@ -101,18 +122,48 @@ def _fwd_inner(
 
 @triton.jit
 def _fwd_kernel(
-    Q, K, V, TQ, TK, TV, O, TO, LSE,
-    stride_qb, stride_qh, stride_qm,  # head dim has unit stride (the wrapper ensures it)
-    stride_kb, stride_kh, stride_kn,
-    stride_vb, stride_vh, stride_vn,
-    stride_tqb, stride_tqh, stride_tqm,
-    stride_tkb, stride_tkh, stride_tkn,
-    stride_tvb, stride_tvh, stride_tvn,
-    stride_ob, stride_oh, stride_om,
-    H, LQ, LKV, scale,
-    LQ_BUCKET, LKV_BUCKET,  # autotune key only: tuned configs are shared by lengths in one bucket
-    BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_TANGENT: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
+    Q,
+    K,
+    V,
+    TQ,
+    TK,
+    TV,
+    O,
+    TO,
+    LSE,
+    stride_qb,
+    stride_qh,
+    stride_qm,  # head dim has unit stride (the wrapper ensures it)
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_tqb,
+    stride_tqh,
+    stride_tqm,
+    stride_tkb,
+    stride_tkh,
+    stride_tkn,
+    stride_tvb,
+    stride_tvh,
+    stride_tvn,
+    stride_ob,
+    stride_oh,
+    stride_om,
+    H,
+    LQ,
+    LKV,
+    scale,
+    LQ_BUCKET,
+    LKV_BUCKET,  # autotune key only: tuned configs are shared by lengths in one bucket
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_TANGENT: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     start_m = tl.program_id(0)
     off_bh = tl.program_id(1)
@@ -134,7 +185,9 @@ def _fwd_kernel(
     if HAS_TANGENT:
         stride_tkn = tl.multiple_of(stride_tkn, 8)
         stride_tvn = tl.multiple_of(stride_tvn, 8)
-        tq_ptrs = _rows(TQ, off_b, off_h, stride_tqb, stride_tqh) + offs_m[:, None] * tl.multiple_of(stride_tqm, 8) + offs_d[None, :]
+        tq_ptrs = (
+            _rows(TQ, off_b, off_h, stride_tqb, stride_tqh) + offs_m[:, None] * tl.multiple_of(stride_tqm, 8) + offs_d[None, :]
+        )
         tk_ptrs = _rows(TK, off_b, off_h, stride_tkb, stride_tkh) + offs_d[:, None] + offs_n[None, :] * stride_tkn
         tv_ptrs = _rows(TV, off_b, off_h, stride_tvb, stride_tvh) + offs_n[:, None] * stride_tvn + offs_d[None, :]
         tq = tl.load(tq_ptrs, mask=q_mask, other=0.0)
@@ -158,14 +211,62 @@ def _fwd_kernel(
         full_hi = (LKV // BLOCK_N) * BLOCK_N
         tail_hi = LKV
     acc, acc_t, l_i, m_i, r_i = _fwd_inner(
-        acc, acc_t, l_i, m_i, r_i, q, tq, k_ptrs, v_ptrs, tk_ptrs, tv_ptrs,
-        stride_kn, stride_vn, stride_tkn, stride_tvn, offs_m, offs_n, 0, full_hi, LKV, scale, qk_scale,
-        BLOCK_N, HAS_TANGENT, False, CAUSAL, PRECISION,
+        acc,
+        acc_t,
+        l_i,
+        m_i,
+        r_i,
+        q,
+        tq,
+        k_ptrs,
+        v_ptrs,
+        tk_ptrs,
+        tv_ptrs,
+        stride_kn,
+        stride_vn,
+        stride_tkn,
+        stride_tvn,
+        offs_m,
+        offs_n,
+        0,
+        full_hi,
+        LKV,
+        scale,
+        qk_scale,
+        BLOCK_N,
+        HAS_TANGENT,
+        False,
+        CAUSAL,
+        PRECISION,
     )
     acc, acc_t, l_i, m_i, r_i = _fwd_inner(
-        acc, acc_t, l_i, m_i, r_i, q, tq, k_ptrs, v_ptrs, tk_ptrs, tv_ptrs,
-        stride_kn, stride_vn, stride_tkn, stride_tvn, offs_m, offs_n, full_hi, tail_hi, LKV, scale, qk_scale,
-        BLOCK_N, HAS_TANGENT, True, CAUSAL, PRECISION,
+        acc,
+        acc_t,
+        l_i,
+        m_i,
+        r_i,
+        q,
+        tq,
+        k_ptrs,
+        v_ptrs,
+        tk_ptrs,
+        tv_ptrs,
+        stride_kn,
+        stride_vn,
+        stride_tkn,
+        stride_tvn,
+        offs_m,
+        offs_n,
+        full_hi,
+        tail_hi,
+        LKV,
+        scale,
+        qk_scale,
+        BLOCK_N,
+        HAS_TANGENT,
+        True,
+        CAUSAL,
+        PRECISION,
     )
 
     # epilogue; a row with no key at all (l = 0) gets O = tO = 0 and lse = -inf instead of NaN
@@ -261,9 +362,22 @@ def attention_fwd(q, k, v, tq=None, tk=None, tv=None, *, causal: bool, scale: fl
     to = torch.empty_like(o) if has_tangent else o
     lse = torch.empty((b, h, lq), dtype=torch.float32, device=q.device)
     args = [
-        q, k, v, tq, tk, tv, o, to, lse,
+        q,
+        k,
+        v,
+        tq,
+        tk,
+        tv,
+        o,
+        to,
+        lse,
         *(st for x in (q, k, v, tq, tk, tv, o) for st in x.stride()[:3]),
-        h, lq, lkv, scale, triton.next_power_of_2(lq), triton.next_power_of_2(lkv),
+        h,
+        lq,
+        lkv,
+        scale,
+        triton.next_power_of_2(lq),
+        triton.next_power_of_2(lkv),
     ]
     meta = dict(
         BLOCK_D=width,
@@ -275,9 +389,7 @@ def attention_fwd(q, k, v, tq=None, tk=None, tv=None, *, causal: bool, scale: fl
         config = (16, 16, 4, 1)
     if config is not None:
         bm, bn, warps, stages = config
-        _fwd_kernel[(triton.cdiv(lq, bm), b * h)](
-            *args, **meta, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages
-        )
+        _fwd_kernel[(triton.cdiv(lq, bm), b * h)](*args, **meta, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
     else:
         grid = lambda cfg: (triton.cdiv(lq, cfg["BLOCK_M"]), b * h)  # noqa: E731
         _fwd_tuned[grid](*args, **meta)

@@ -29,9 +29,17 @@ class DigitClassifier(nn.Sequential):
 
     def __init__(self):
         super().__init__(
-            nn.Conv2d(1, 16, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2),   # (N, 16, 14, 14)
-            nn.Conv2d(16, 32, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2),  # (N, 32, 7, 7)
-            nn.Flatten(), nn.Linear(32 * 7 * 7, 64), nn.ReLU(), nn.Dropout(0.25), nn.Linear(64, 10),
+            nn.Conv2d(1, 16, 5, padding=2),
+            nn.ReLU(),
+            nn.MaxPool2d(2),  # (N, 16, 14, 14)
+            nn.Conv2d(16, 32, 5, padding=2),
+            nn.ReLU(),
+            nn.MaxPool2d(2),  # (N, 32, 7, 7)
+            nn.Flatten(),
+            nn.Linear(32 * 7 * 7, 64),
+            nn.ReLU(),
+            nn.Dropout(0.25),
+            nn.Linear(64, 10),
         )
 
 
@@ -60,13 +68,14 @@ def predict(images, *, classifier: DigitClassifier | None = None, batch_size: in
     if classifier is None:
         classifier = load_classifier(device or x.device)
     device = next(classifier.parameters()).device
-    out = [classifier(x[lo: lo + batch_size].to(device, torch.float32, non_blocking=True)).argmax(1)
-           for lo in range(0, len(x), batch_size)]
+    out = [
+        classifier(x[lo : lo + batch_size].to(device, torch.float32, non_blocking=True)).argmax(1)
+        for lo in range(0, len(x), batch_size)
+    ]
     return torch.cat(out)
 
 
-def label_accuracy(images, labels, *, classifier: DigitClassifier | None = None, batch_size: int = 1000,
-                   device=None) -> float:
+def label_accuracy(images, labels, *, classifier: DigitClassifier | None = None, batch_size: int = 1000, device=None) -> float:
     """Fraction of images the classifier reads as their label (labels: (N,) ints)."""
     labels = torch.as_tensor(labels).flatten().long()
     if len(labels) != len(images):
@@ -80,8 +89,9 @@ def label_accuracy(images, labels, *, classifier: DigitClassifier | None = None,
 # ----------------------------------------------------------------------------------------------
 
 
-def train(images_u8: torch.Tensor, labels: torch.Tensor, *, epochs: int = 4, batch_size: int = 128, lr: float = 2e-3,
-          seed: int = 0) -> DigitClassifier:
+def train(
+    images_u8: torch.Tensor, labels: torch.Tensor, *, epochs: int = 4, batch_size: int = 128, lr: float = 2e-3, seed: int = 0
+) -> DigitClassifier:
     """Adam with a cosine schedule on uint8 (N, 1, 28, 28) digits; random shifts of up to 2 pixels, so that
     digits drawn a little off-centre (as generators do) are still read."""
     torch.manual_seed(seed)
@@ -93,7 +103,7 @@ def train(images_u8: torch.Tensor, labels: torch.Tensor, *, epochs: int = 4, bat
     for epoch in range(epochs):
         perm = torch.randperm(len(images_u8))
         for lo in range(0, len(perm) - batch_size + 1, batch_size):
-            idx = perm[lo: lo + batch_size]
+            idx = perm[lo : lo + batch_size]
             x = images_u8[idx].float() / 127.5 - 1
             dx, dy = torch.randint(-2, 3, (2,)).tolist()  # one shift per batch: cheap, and enough
             x = torch.roll(x, (dy, dx), dims=(2, 3))

@@ -118,7 +118,7 @@ def features(images, net: FeatureNet, batch_size: int = 200) -> torch.Tensor:
     device = net.device
     out = []
     for lo in range(0, len(x), batch_size):
-        batch = x[lo: lo + batch_size]
+        batch = x[lo : lo + batch_size]
         if device.type == "cuda" and batch.device.type == "cpu":
             batch = batch.pin_memory()
         batch = prepare(batch.to(device, non_blocking=True), net.size)
@@ -158,8 +158,9 @@ def frechet_distance(mu1, sigma1, mu2, sigma2) -> float:
     mu1, mu2 = np.asarray(mu1, np.float64), np.asarray(mu2, np.float64)
     sigma1, sigma2 = np.asarray(sigma1, np.float64), np.asarray(sigma2, np.float64)
     if mu1.shape != mu2.shape or sigma1.shape != sigma2.shape:
-        raise ValueError(f"statistics of different feature sizes: {mu1.shape} vs {mu2.shape}; "
-                         f"both must come from the same feature network")
+        raise ValueError(
+            f"statistics of different feature sizes: {mu1.shape} vs {mu2.shape}; both must come from the same feature network"
+        )
     root1 = _sqrt_psd(sigma1)
     m = root1 @ sigma2 @ root1
     tr_covmean = np.sqrt(np.clip(np.linalg.eigvalsh((m + m.T) / 2), 0, None)).sum()
@@ -222,8 +223,10 @@ def check_stats(stats: Stats, *, source: str, dataset: str, split: str, resoluti
     diff = [k for k, v in want.items() if getattr(stats, k) is not None and getattr(stats, k) != v]
     if diff:
         need = Stats(stats.mu, stats.sigma, **want).describe()
-        raise ValueError(f"reference statistics {source!r} are for {stats.describe()}, but this evaluation needs "
-                         f"{need} (differs in {', '.join(diff)}); pass matching statistics or leave ref unset to compute them")
+        raise ValueError(
+            f"reference statistics {source!r} are for {stats.describe()}, but this evaluation needs "
+            f"{need} (differs in {', '.join(diff)}); pass matching statistics or leave ref unset to compute them"
+        )
     if stats.mu.shape[0] != stats.sigma.shape[0]:
         raise ValueError(f"reference statistics {source!r} are malformed: mu {stats.mu.shape}, sigma {stats.sigma.shape}")
 
@@ -280,9 +283,17 @@ def reference_images(dataset: str, *, split: str, root: str = "data", resolution
     return build_dataset(dataset, root=root, download=False, resolution=resolution, channels=channels, split=split)
 
 
-def reference_stats(net: FeatureNet, dataset: str, *, split: str | None = None, root: str = "data",
-                    resolution: int | None = None, channels: int = 3, cache: str | None = None,
-                    batch_size: int = 200) -> Stats:
+def reference_stats(
+    net: FeatureNet,
+    dataset: str,
+    *,
+    split: str | None = None,
+    root: str = "data",
+    resolution: int | None = None,
+    channels: int = 3,
+    cache: str | None = None,
+    batch_size: int = 200,
+) -> Stats:
     """Statistics of all images of a dataset split, read from the cache or computed and cached.
 
     `resolution` and `channels` apply to imagefolder (how its images are read; the cache key then names
@@ -296,8 +307,12 @@ def reference_stats(net: FeatureNet, dataset: str, *, split: str | None = None, 
         stats = read_stats(path, net)
         check_stats(stats, source=path, dataset=name, split=split, resolution=data.resolution, network=net.name)
         return stats
-    feats = torch.cat([features(data.__getitems__(range(lo, min(lo + 1000, len(data))))[0], net, batch_size)
-                       for lo in range(0, len(data), 1000)])
+    feats = torch.cat(
+        [
+            features(data.__getitems__(range(lo, min(lo + 1000, len(data))))[0], net, batch_size)
+            for lo in range(0, len(data), 1000)
+        ]
+    )
     stats = stats_of(feats, dataset=name, split=split, resolution=data.resolution, network=net.name)
     stats.save(path)
     return stats

@@ -1,8 +1,8 @@
 """Models by name.
 
-    from flm.models import build_model, MODEL_SIZES, ModelConfig
-    model = build_model("DiT-B/2", input_size=32, in_channels=4, num_classes=1000, time_inputs=2)
-    model = ModelConfig(name="DiT-B/2", attention="triton_jvp").build(input_size=32, in_channels=4, num_classes=1000)
+from flm.models import build_model, MODEL_SIZES, ModelConfig
+model = build_model("DiT-B/2", input_size=32, in_channels=4, num_classes=1000, time_inputs=2)
+model = ModelConfig(name="DiT-B/2", attention="triton_jvp").build(input_size=32, in_channels=4, num_classes=1000)
 """
 
 import dataclasses
@@ -73,8 +73,13 @@ class ModelConfig:
 
     def args(self, *, input_size: int, in_channels: int, num_classes: int, time_inputs: int) -> dict:
         """build_model's keywords (what a checkpoint records as model_args)."""
-        return dict(dataclasses.asdict(self), input_size=input_size, in_channels=in_channels,
-                    num_classes=num_classes, time_inputs=time_inputs)
+        return dict(
+            dataclasses.asdict(self),
+            input_size=input_size,
+            in_channels=in_channels,
+            num_classes=num_classes,
+            time_inputs=time_inputs,
+        )
 
     def check_runs(self, device: torch.device, dtype: torch.dtype | None) -> None:
         """Fail before training when the attention backend cannot run on this device."""

@@ -71,9 +71,7 @@ class TimestepEmbedder(nn.Module):
     def __init__(self, hidden: int, freq_dim: int = 256, time_scale: float = 1.0):
         super().__init__()
         half = freq_dim // 2
-        self.register_buffer(
-            "freqs", time_scale * torch.exp(-math.log(10000) * torch.arange(half) / half), persistent=False
-        )
+        self.register_buffer("freqs", time_scale * torch.exp(-math.log(10000) * torch.arange(half) / half), persistent=False)
         self.fc1 = fnn.Linear(freq_dim, hidden)
         self.fc2 = fnn.Linear(hidden, hidden)
 
@@ -192,9 +190,7 @@ class DiT(nn.Module):
         self.t_embedder = TimestepEmbedder(hidden_size, time_scale=time_scale)
         self.dt_embedder = TimestepEmbedder(hidden_size, time_scale=time_scale) if time_inputs == 2 else None
         self.y_embedder = nn.Embedding(num_classes + 1, hidden_size) if num_classes > 0 else None
-        self.blocks = nn.ModuleList(
-            DiTBlock(hidden_size, num_heads, mlp_ratio, attention) for _ in range(depth)
-        )
+        self.blocks = nn.ModuleList(DiTBlock(hidden_size, num_heads, mlp_ratio, attention) for _ in range(depth))
         self.final_layer = FinalLayer(hidden_size, patch_size, in_channels)
         self.initialize_weights()
 

@@ -34,5 +34,16 @@ def build_objective(name: str, **kwargs) -> Objective:
     return OBJECTIVES[name](**kwargs)
 
 
-__all__ = ["JVP_MODES", "NO_NETWORKS", "OBJECTIVES", "RCM", "SCD", "SCM", "FlowMatching", "MeanFlow", "Network", "Objective",
-           "build_objective"]
+__all__ = [
+    "JVP_MODES",
+    "NO_NETWORKS",
+    "OBJECTIVES",
+    "RCM",
+    "SCD",
+    "SCM",
+    "FlowMatching",
+    "MeanFlow",
+    "Network",
+    "Objective",
+    "build_objective",
+]

@@ -37,8 +37,12 @@ from torch import nn
 
 from flm.objectives.guidance import check_cfg, check_interval, drop_labels, guided
 from flm.objectives.jvp import check_jvp_mode, jvp
+from flm.objectives.checks import check_probability, check_std
 from flm.objectives.paths import (
-    TrigFlowPath, bcast, check_probability, check_std, lognormal_trigflow, randn_per_image,
+    TrigFlowPath,
+    bcast,
+    lognormal_trigflow,
+    randn_per_image,
 )
 from flm.objectives.protocol import NO_NETWORKS
 
@@ -147,9 +151,7 @@ class SCM(nn.Module):
             mode=self.jvp_mode,
         )
         F_minus = F.detach().float()
-        g = -cos_t.square() * (sigma_d * F_minus - dx_t) - self.warmup(step) * (
-            cos_t * sin_t * x_t + sigma_d * cs_dFdt.float()
-        )
+        g = -cos_t.square() * (sigma_d * F_minus - dx_t) - self.warmup(step) * (cos_t * sin_t * x_t + sigma_d * cs_dFdt.float())
         g_norm = g.flatten(1).norm(dim=1)
         g = g / bcast(g_norm + self.tangent_c, g)
 

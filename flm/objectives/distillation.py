@@ -43,7 +43,8 @@ import torch
 
 from flm.objectives.consistency import SCM
 from flm.objectives.guidance import drop_labels, guided
-from flm.objectives.paths import LinearPath, bcast, check_std, logit_normal, lognormal_trigflow
+from flm.objectives.checks import check_std
+from flm.objectives.paths import LinearPath, bcast, logit_normal, lognormal_trigflow
 from flm.objectives.protocol import Network
 from flm.objectives.teacher import flow_time, load_teacher, teacher_velocity, trigflow_velocity
 
@@ -74,8 +75,11 @@ class SCD(SCM):
     def network_output(self, model, x_in, t, y, cfg_scale: float = 1.0):
         """F of a flow-matching network (the module docstring; guidance is linear, so it commutes). The guidance
         interval is in TrigFlow time, as sCM's: the network sees it at the flow-matching times it maps to."""
-        interval = None if self.cfg_interval is None else tuple(
-            flow_time(torch.tensor(v, dtype=torch.float64), self.sigma_d).item() for v in self.cfg_interval)
+        interval = (
+            None
+            if self.cfg_interval is None
+            else tuple(flow_time(torch.tensor(v, dtype=torch.float64), self.sigma_d).item() for v in self.cfg_interval)
+        )
         velocity = lambda x_s, s: guided(model, x_s, s, None, y, cfg_scale, interval)  # noqa: E731
         return trigflow_velocity(velocity, self.sigma_d * x_in, t, self.sigma_d) / self.sigma_d
 
@@ -103,21 +107,33 @@ class RCM(SCD):
         **kwargs: SCM's.
     """
 
-    def __init__(self, *, teacher: str, teacher_cfg_scale: float = 1.0, dmd_weight: float = 0.01,
-                 dmd_t_mean: float = 0.0, dmd_t_std: float = 1.0, fake_updates: int = 1, fake_lr: float = 1e-4,
-                 **kwargs):
+    def __init__(
+        self,
+        *,
+        teacher: str,
+        teacher_cfg_scale: float = 1.0,
+        dmd_weight: float = 0.01,
+        dmd_t_mean: float = 0.0,
+        dmd_t_std: float = 1.0,
+        fake_updates: int = 1,
+        fake_lr: float = 1e-4,
+        **kwargs,
+    ):
         super().__init__(teacher=teacher, teacher_cfg_scale=teacher_cfg_scale, **kwargs)
         check_std("dmd_t_std", dmd_t_std)
         if dmd_weight < 0 or not (isinstance(fake_updates, int) and fake_updates >= 1):
-            raise ValueError(f"rCM needs dmd_weight >= 0 and an integer fake_updates >= 1, got {dmd_weight!r} "
-                             f"and {fake_updates!r}")
+            raise ValueError(
+                f"rCM needs dmd_weight >= 0 and an integer fake_updates >= 1, got {dmd_weight!r} and {fake_updates!r}"
+            )
         if not 0 < fake_lr < math.inf:
             raise ValueError(f"fake_lr must be a finite number > 0, got {fake_lr!r}")
         self.dmd_weight, self.dmd_t_mean, self.dmd_t_std = dmd_weight, dmd_t_mean, dmd_t_std
         self.fake_updates = fake_updates
         build = functools.partial(load_teacher, self.teacher)
-        self.networks = {"teacher": Network(build=build, model_init=True),
-                         "fake_score": Network(build=build, trainable=True, optim={"lr": fake_lr})}
+        self.networks = {
+            "teacher": Network(build=build, model_init=True),
+            "fake_score": Network(build=build, trainable=True, optim={"lr": fake_lr}),
+        }
 
     def updates_fake_score(self, step) -> bool:
         """fake_updates fake-score steps, then a student step, and again."""

@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from flm.objectives.guidance import check_cfg, check_interval, drop_labels, guided
-from flm.objectives.paths import LinearPath, check_probability, check_std, logit_normal, time_grid
+from flm.objectives.checks import check_probability, check_std
+from flm.objectives.paths import LinearPath, logit_normal, time_grid
 from flm.objectives.protocol import NO_NETWORKS
 
 SAMPLERS = ("euler", "heun")
@@ -36,8 +37,15 @@ class FlowMatching(nn.Module):
     sample_steps = 50
     networks = NO_NETWORKS
 
-    def __init__(self, *, t_mean: float = 0.0, t_std: float = 1.0, label_dropout: float = 0.1, sampler: str = "euler",
-                 cfg_interval: tuple[float, float] | None = None):
+    def __init__(
+        self,
+        *,
+        t_mean: float = 0.0,
+        t_std: float = 1.0,
+        label_dropout: float = 0.1,
+        sampler: str = "euler",
+        cfg_interval: tuple[float, float] | None = None,
+    ):
         super().__init__()
         check_std("t_std", t_std)
         check_probability("label_dropout", label_dropout)

@@ -55,8 +55,11 @@ def check_interval(interval, name: str = "cfg_interval") -> tuple[float, float] 
     if interval is None:
         return None
     values = list(interval) if isinstance(interval, Sequence) and not isinstance(interval, str) else [interval]
-    if len(values) != 2 or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values) \
-            or not values[0] <= values[1]:
+    if (
+        len(values) != 2
+        or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
+        or not values[0] <= values[1]
+    ):
         raise ValueError(f"{name} must be [t_min, t_max] with t_min <= t_max (null: every time), got {interval!r}")
     return float(values[0]), float(values[1])
 

@@ -53,8 +53,8 @@ def jvp(fn, primals: tuple, tangents: tuple, *, mode: str):
 def record_tangents(limit: int = 1):
     """Collect (float32, on the CPU) the tangents of the first `limit` jvp() calls inside the block.
 
-        with record_tangents() as tangents:
-            loss, _ = objective.loss(model, x, y)    # tangents[0]: MeanFlow's du/dt on this batch
+    with record_tangents() as tangents:
+        loss, _ = objective.loss(model, x, y)    # tangents[0]: MeanFlow's du/dt on this batch
     """
     entry = ([], limit)
     _recorders.append(entry)

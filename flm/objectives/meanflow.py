@@ -36,7 +36,8 @@ from torch import nn
 
 from flm.objectives.guidance import check_cfg, check_interval, drop_labels, guided, in_interval, null_labels, num_classes
 from flm.objectives.jvp import check_jvp_mode, jvp
-from flm.objectives.paths import LinearPath, bcast, check_probability, check_std, logit_normal, time_grid
+from flm.objectives.checks import check_probability, check_std
+from flm.objectives.paths import LinearPath, bcast, logit_normal, time_grid
 from flm.objectives.protocol import NO_NETWORKS, Network
 from flm.objectives.teacher import load_teacher, teacher_velocity
 
@@ -105,8 +106,10 @@ class MeanFlow(nn.Module):
         self.jvp_mode = check_jvp_mode(jvp_mode)
         self.path = LinearPath()
         if teacher and (cfg_omega != 1.0 or cfg_kappa != 0.0):
-            raise ValueError("a teacher's guidance (teacher_cfg_scale) replaces guidance in training; keep cfg_omega=1.0 "
-                             "and cfg_kappa=0.0 with objective.teacher")
+            raise ValueError(
+                "a teacher's guidance (teacher_cfg_scale) replaces guidance in training; keep cfg_omega=1.0 "
+                "and cfg_kappa=0.0 with objective.teacher"
+            )
         if not teacher_cfg_scale >= 1.0:
             raise ValueError(f"teacher_cfg_scale must be >= 1.0 (1.0: no guidance), got {teacher_cfg_scale!r}")
         self.teacher, self.teacher_cfg_scale = teacher, teacher_cfg_scale

@@ -51,16 +51,6 @@ class TrigFlowPath:
 # --------------------------------------------------------------------------------------------
 
 
-def check_std(name: str, std: float) -> None:
-    if not std > 0:
-        raise ValueError(f"{name} must be > 0, got {std!r}")
-
-
-def check_probability(name: str, p: float) -> None:
-    if not 0.0 <= p <= 1.0:
-        raise ValueError(f"{name} must be a probability in [0, 1], got {p!r}")
-
-
 def logit_normal(n: int, mean: float, std: float, *, device=None) -> torch.Tensor:
     """t = sigmoid(mean + std * N(0, 1)), in (0, 1) (SD3's logit-normal; MeanFlow's default)."""
     return torch.sigmoid(mean + std * torch.randn(n, device=device))
@@ -83,4 +73,3 @@ def time_grid(steps: int, start: float, end: float, *, device=None) -> torch.Ten
     if not (isinstance(steps, int) and steps >= 1):
         raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
     return torch.linspace(start, end, steps + 1, device=device)
-

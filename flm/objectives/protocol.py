@@ -72,13 +72,22 @@ class Objective(Protocol):
     sample_steps: int  # the sampler's default step count (grids, sample.py, evaluate.py)
     networks: Mapping[str, Network]  # the networks it needs besides the model; NO_NETWORKS for none
 
-    def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor | None = None, *, step=0,
-             **networks: nn.Module) -> tuple[torch.Tensor | Mapping[str, torch.Tensor], dict]:
+    def loss(
+        self, model: nn.Module, x: torch.Tensor, y: torch.Tensor | None = None, *, step=0, **networks: nn.Module
+    ) -> tuple[torch.Tensor | Mapping[str, torch.Tensor], dict]:
         """(loss, metrics); loss: one tensor, or {network: loss} for the networks this step updates (the
         module docstring); step is an int, or a 0-dim device tensor when the step is a CUDA graph."""
 
-    def sample(self, model: nn.Module, noise: torch.Tensor, y: torch.Tensor | None = None, *, steps: int,
-               cfg_scale: float = 1.0, generators=None) -> torch.Tensor:
+    def sample(
+        self,
+        model: nn.Module,
+        noise: torch.Tensor,
+        y: torch.Tensor | None = None,
+        *,
+        steps: int,
+        cfg_scale: float = 1.0,
+        generators=None,
+    ) -> torch.Tensor:
         """Images from `noise`; `generators` (one per image) feed any noise drawn after it."""
 
     def parameters(self) -> Iterator[nn.Parameter]: ...

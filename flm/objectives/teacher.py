@@ -29,8 +29,13 @@ from flm.objectives.guidance import guided
 from flm.objectives.paths import bcast
 
 # the model_args that the student and its teacher must share, and how an error names them
-SHARED_ARGS = {"input_size": "image size", "in_channels": "channel count", "num_classes": "class count",
-               "name": "model size", "time_scale": "time scale"}
+SHARED_ARGS = {
+    "input_size": "image size",
+    "in_channels": "channel count",
+    "num_classes": "class count",
+    "name": "model size",
+    "time_scale": "time scale",
+}
 
 
 def flow_time(t: torch.Tensor, sigma_d: float) -> torch.Tensor:
@@ -61,15 +66,22 @@ def check_teacher(source: str, bundle: dict, student_args: dict) -> dict:
 
     objective = ((bundle.get("config") or {}).get("objective") or {}).get("name")
     if objective != "flow_matching":
-        raise ValueError(f"teacher {source!r} was trained with objective {objective!r}, not flow_matching; distil a "
-                         f"flow-matching run (python train.py experiment=mnist_flow_matching)")
+        raise ValueError(
+            f"teacher {source!r} was trained with objective {objective!r}, not flow_matching; distil a "
+            f"flow-matching run (python train.py experiment=mnist_flow_matching)"
+        )
     args = plain(bundle["model_args"], f"{source}: model_args")
-    diff = [f"{label} {args.get(k)!r} vs the student's {student_args.get(k)!r}"
-            for k, label in SHARED_ARGS.items() if args.get(k) != student_args.get(k)]
+    diff = [
+        f"{label} {args.get(k)!r} vs the student's {student_args.get(k)!r}"
+        for k, label in SHARED_ARGS.items()
+        if args.get(k) != student_args.get(k)
+    ]
     if diff:
-        raise ValueError(f"teacher {source!r} does not fit the student ({'; '.join(diff)}); the student starts from "
-                         f"the teacher's weights: pass the model=, data= and trainer.class_conditional options the "
-                         f"teacher was trained with (model={args.get('name')})")
+        raise ValueError(
+            f"teacher {source!r} does not fit the student ({'; '.join(diff)}); the student starts from "
+            f"the teacher's weights: pass the model=, data= and trainer.class_conditional options the "
+            f"teacher was trained with (model={args.get('name')})"
+        )
     return args
 
 

@@ -123,15 +123,20 @@ def load(path: str) -> dict:
         raise ValueError(f"{path!r} is not an flm checkpoint (format {FORMAT}); pass a file written by train.py")
     damaged = zipfile.ZipFile(path).testzip()  # torch.save's zip records carry CRC-32s; torch.load does not check them
     if damaged is not None:
-        raise ValueError(f"checkpoint {path!r} is damaged (checksum mismatch in {damaged}); delete it to use the "
-                         f"previous one, or pass another checkpoint")
+        raise ValueError(
+            f"checkpoint {path!r} is damaged (checksum mismatch in {damaged}); delete it to use the "
+            f"previous one, or pass another checkpoint"
+        )
     return bundle
 
 
 def check_model_args(path: str, saved: dict, current: dict) -> None:
     """Raise a clear error when the checkpoint was written for another model than the one built now."""
-    diff = {k: (saved.get(k), current.get(k)) for k in sorted(set(saved) | set(current))
-            if k not in RUNTIME_OPTIONS and saved.get(k) != current.get(k)}
+    diff = {
+        k: (saved.get(k), current.get(k))
+        for k in sorted(set(saved) | set(current))
+        if k not in RUNTIME_OPTIONS and saved.get(k) != current.get(k)
+    }
     if diff:
         detail = ", ".join(f"{k}: checkpoint {a!r} vs now {b!r}" for k, (a, b) in diff.items())
         raise ValueError(
@@ -156,8 +161,10 @@ def load_objective(path: str, state: dict, objective) -> None:
 
 
 def _another_objective(path: str, detail: str, was: str | None) -> str:
-    return (f"checkpoint {path!r} was trained with another objective ({detail}); resume with "
-            f"objective={was or 'the one it was trained with'}, or start a new run folder")
+    return (
+        f"checkpoint {path!r} was trained with another objective ({detail}); resume with "
+        f"objective={was or 'the one it was trained with'}, or start a new run folder"
+    )
 
 
 # ----------------------------------------------------------------------------------------------

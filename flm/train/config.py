@@ -38,8 +38,10 @@ def plain(value, key: str):
     if isinstance(value, Mapping):
         for k in value:
             if not isinstance(k, str) or k in _HYDRA_KEYS:
-                raise ValueError(f"{key}.{k} is not allowed: a config from a file holds names and numbers, not "
-                                 f"callable references; remove it (a checkpoint with it was not written by flm)")
+                raise ValueError(
+                    f"{key}.{k} is not allowed: a config from a file holds names and numbers, not "
+                    f"callable references; remove it (a checkpoint with it was not written by flm)"
+                )
         return {k: plain(v, f"{key}.{k}") for k, v in value.items()}
     raise ValueError(f"{key} is a {type(value).__name__}, not a number, string, bool, null or list of them")
 
@@ -47,13 +49,17 @@ def plain(value, key: str):
 def objective_from_config(section, where: str):
     """The objective a stored config names (`name` and plain keyword values), built from the registry."""
     if not isinstance(section, Mapping) or "name" not in section:
-        raise ValueError(f"{where}: the stored config has no objective name, so no sampler to draw samples with; "
-                         f"pass a checkpoint written by train.py")
+        raise ValueError(
+            f"{where}: the stored config has no objective name, so no sampler to draw samples with; "
+            f"pass a checkpoint written by train.py"
+        )
     section = dict(section)
     target = section.pop("_target_", OBJECTIVE_TARGET)
     if target != OBJECTIVE_TARGET:
-        raise ValueError(f"{where}: objective._target_={target!r} is not allowed (only {OBJECTIVE_TARGET}); "
-                         f"pass a checkpoint written by train.py")
+        raise ValueError(
+            f"{where}: objective._target_={target!r} is not allowed (only {OBJECTIVE_TARGET}); "
+            f"pass a checkpoint written by train.py"
+        )
     kwargs = plain(section, f"{where}: objective")
     with options_of("objective"):
         return build_objective(**kwargs)
@@ -87,5 +93,6 @@ def options_of(key: str):
         match = _UNEXPECTED.search(str(cause)) if isinstance(cause, TypeError) else None
         if match is None:
             raise
-        raise ValueError(f"{key}.{match.group(1)} is not an option of {key}; check its spelling "
-                         f"(the options are in configs/{key}/)") from None
+        raise ValueError(
+            f"{key}.{match.group(1)} is not an option of {key}; check its spelling (the options are in configs/{key}/)"
+        ) from None

@@ -68,8 +68,9 @@ class EMA:
             raise ValueError(f"trainer.ema_decays must be a list of numbers in [0, 1), got {decays}")
         # sigma_rel -> 0 is gamma -> inf; gamma = 0 (a uniform average of the whole run) is the widest kept here
         if not all(0 < s < gamma_to_sigma_rel(0.0) for s in sigma_rels):
-            raise ValueError(f"trainer.ema_sigma_rels must be a list of numbers in (0, 0.288), e.g. [0.05, 0.1], "
-                             f"got {sigma_rels}")
+            raise ValueError(
+                f"trainer.ema_sigma_rels must be a list of numbers in (0, 0.288), e.g. [0.05, 0.1], got {sigma_rels}"
+            )
         gammas = {power_key(s): sigma_rel_to_gamma(s) for s in sigma_rels}
         self.betas = {ema_key(d): lambda step, d=d: constant_beta(d, step) for d in decays}
         self.betas |= {key: lambda step, g=g: power_beta(g, step) for key, g in gammas.items()}

@@ -92,12 +92,25 @@ class Evaluator:
         if self.ref:
             stats, source = fid.read_stats(self.ref, self.net, batch_size=self.batch_size), self.ref
         else:
-            stats = fid.reference_stats(self.net, self.data.name, split=split, root=self.data.root,
-                                        resolution=self.data.resolution, channels=self.data.channels,
-                                        cache=self.cache, batch_size=self.batch_size)
+            stats = fid.reference_stats(
+                self.net,
+                self.data.name,
+                split=split,
+                root=self.data.root,
+                resolution=self.data.resolution,
+                channels=self.data.channels,
+                cache=self.cache,
+                batch_size=self.batch_size,
+            )
             source = f"{self.data.name} {split}"
-        fid.check_stats(stats, source=source, dataset=fid.dataset_name(self.data.name, self.data.root), split=split,
-                        resolution=self.resolution, network=self.net.name)
+        fid.check_stats(
+            stats,
+            source=source,
+            dataset=fid.dataset_name(self.data.name, self.data.root),
+            split=split,
+            resolution=self.resolution,
+            network=self.net.name,
+        )
         return stats
 
     @torch.no_grad()
@@ -112,9 +125,19 @@ class Evaluator:
             for lo in range(rank * per_rank, (rank + 1) * per_rank, self.batch_size):
                 hi = min(lo + self.batch_size, (rank + 1) * per_rank)
                 y = None if labels is None else labels[lo:hi]
-                images = generate(model, objective, seeds=list(range(self.seed + lo, self.seed + hi)), labels=y,
-                                  shape=self.shape, steps=steps, cfg_scale=self.cfg_scale, batch_size=self.batch_size,
-                                  device=self.device, amp_dtype=self.amp_dtype, decode=self.decoder)
+                images = generate(
+                    model,
+                    objective,
+                    seeds=list(range(self.seed + lo, self.seed + hi)),
+                    labels=y,
+                    shape=self.shape,
+                    steps=steps,
+                    cfg_scale=self.cfg_scale,
+                    batch_size=self.batch_size,
+                    device=self.device,
+                    amp_dtype=self.amp_dtype,
+                    decode=self.decoder,
+                )
                 feats.append(fid.features(images, self.net, batch_size=self.batch_size))
                 if self.grid and lo == 0:  # labels cycle 0..9: ten per row
                     save_grid(images[:100], f"{self.grid}-steps{steps}.png", nrow=self.num_classes if self.num_classes else None)
@@ -136,21 +159,43 @@ class InTraining:
     """`trainer.eval_every`: the EMA weights' sample quality every N steps and at the end, logged with the
     run's metrics (metrics.jsonl, console, wandb). Off (calls do nothing) when eval_every is 0."""
 
-    def __init__(self, trainer, data: DataConfig, *, shape, num_classes: int, device, amp_dtype, batch_size: int,
-                 sample_steps: int, decoder=None):
+    def __init__(
+        self,
+        trainer,
+        data: DataConfig,
+        *,
+        shape,
+        num_classes: int,
+        device,
+        amp_dtype,
+        batch_size: int,
+        sample_steps: int,
+        decoder=None,
+    ):
         self.every, self.last = trainer.eval_every, trainer.max_steps
         self.evaluator = None
         if self.every:
-            self.evaluator = Evaluator(data=data, shape=shape, num_classes=num_classes, n=trainer.eval_n,
-                                       steps=trainer.eval_steps or [sample_steps], cfg_scale=trainer.sample_cfg_scale,
-                                       batch_size=batch_size, device=device, amp_dtype=amp_dtype,
-                                       inception=trainer.eval_inception, cache=trainer.eval_cache, decoder=decoder)
+            self.evaluator = Evaluator(
+                data=data,
+                shape=shape,
+                num_classes=num_classes,
+                n=trainer.eval_n,
+                steps=trainer.eval_steps or [sample_steps],
+                cfg_scale=trainer.sample_cfg_scale,
+                batch_size=batch_size,
+                device=device,
+                amp_dtype=amp_dtype,
+                inception=trainer.eval_inception,
+                cache=trainer.eval_cache,
+                decoder=decoder,
+            )
 
     def __call__(self, step: int, model, objective, run_log) -> None:
         if self.evaluator is None or not (step == self.last or step % self.every == 0):
             return
         results = self.evaluator(model, objective)  # every rank samples; rank 0 gets the numbers
         if results:
-            dist.info0(f"eval at step {step} ({self.evaluator.n} images): "
-                       + " | ".join(f"{k} {v:.4g}" for k, v in results.items()))
+            dist.info0(
+                f"eval at step {step} ({self.evaluator.n} images): " + " | ".join(f"{k} {v:.4g}" for k, v in results.items())
+            )
             run_log.log(step, results)

@@ -20,16 +20,19 @@ def _safetensors():
     try:
         import safetensors.torch
     except ImportError:
-        raise ImportError("exported weights are safetensors files: pip install safetensors (or pip install 'flm[latent]')") \
-            from None
+        raise ImportError(
+            "exported weights are safetensors files: pip install safetensors (or pip install 'flm[latent]')"
+        ) from None
     return safetensors.torch
 
 
 def export(bundle: dict, out: str, *, ema=None, source: str = "the checkpoint") -> str:
     """Write `out`/model.safetensors (the EMA `ema`, default the run's first) and `out`/config.json."""
     if not bundle.get("ema"):
-        raise ValueError(f"{source} keeps no EMA (trainer.ema_decays=[] and trainer.ema_sigma_rels=[]); export writes an "
-                         f"EMA of the weights: train with trainer.ema_decays=[0.9999] (or ema_sigma_rels=[0.05])")
+        raise ValueError(
+            f"{source} keeps no EMA (trainer.ema_decays=[] and trainer.ema_sigma_rels=[]); export writes an "
+            f"EMA of the weights: train with trainer.ema_decays=[0.9999] (or ema_sigma_rels=[0.05])"
+        )
     key = ema_name(ema) or next(iter(bundle["ema"]))
     state = generator_state(bundle, "ema", ema=key)
     run_cfg = bundle.get("config") or {}
@@ -37,7 +40,10 @@ def export(bundle: dict, out: str, *, ema=None, source: str = "the checkpoint") 
     without_target = lambda section: {k: v for k, v in (section or {}).items() if k != "_target_"}  # noqa: E731
     latents = run_cfg.get("latents")
     config = {
-        "format": FORMAT, "version": 1, "ema": key, "step": int(bundle.get("step", 0)),
+        "format": FORMAT,
+        "version": 1,
+        "ema": key,
+        "step": int(bundle.get("step", 0)),
         "model_args": plain(bundle["model_args"], f"{source}: model_args"),
         "objective": plain(without_target(run_cfg.get("objective")), f"{source}: objective"),
         "sample_steps": (run_cfg.get("trainer") or {}).get("sample_steps"),
@@ -65,7 +71,15 @@ def load_export(folder: str) -> dict:
     weights = os.path.join(folder, WEIGHTS)
     if not os.path.isfile(weights):
         raise FileNotFoundError(f"exported folder {folder!r} lacks {WEIGHTS}; export the run again with export.py")
-    run_cfg = {"objective": config["objective"], "trainer": {"sample_steps": config.get("sample_steps")},
-               "data": config.get("data"), "latents": config.get("latents")}
-    return {"model_args": config["model_args"], "config": run_cfg, "ema": {config["ema"]: _safetensors().load_file(weights)},
-            "step": config.get("step", 0)}
+    run_cfg = {
+        "objective": config["objective"],
+        "trainer": {"sample_steps": config.get("sample_steps")},
+        "data": config.get("data"),
+        "latents": config.get("latents"),
+    }
+    return {
+        "model_args": config["model_args"],
+        "config": run_cfg,
+        "ema": {config["ema"]: _safetensors().load_file(weights)},
+        "step": config.get("step", 0),
+    }

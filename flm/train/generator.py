@@ -59,8 +59,16 @@ def sampler_steps(bundle: dict, objective: Objective, source: str) -> int:
     return objective.sample_steps if steps is None else typed(steps, int, f"{source}: trainer.sample_steps")
 
 
-def load_generator(bundle: dict, *, weights: str = "ema", ema_decay: float | None = None, ema=None, attention: str = "auto",
-                   device="cpu", source: str = "the checkpoint") -> tuple[torch.nn.Module, Objective]:
+def load_generator(
+    bundle: dict,
+    *,
+    weights: str = "ema",
+    ema_decay: float | None = None,
+    ema=None,
+    attention: str = "auto",
+    device="cpu",
+    source: str = "the checkpoint",
+) -> tuple[torch.nn.Module, Objective]:
     """(model, objective) on `device`, the model in eval mode with the `attention` backend (sampling
     takes no JVP, and the run's training backend need not run on this machine)."""
     objective = build_objective_from(bundle, source).to(device)

@@ -71,8 +71,9 @@ def start_from(model: nn.Module, source: nn.Module) -> None:
     assert not unexpected, f"the model lacks {unexpected}"  # flm.objectives.teacher checked the architecture
 
 
-def build_state(model_args: dict, objective, optim: OptimConfig, trainer: TrainerConfig, loader: Loader,
-                device: torch.device, config: dict) -> TrainState:
+def build_state(
+    model_args: dict, objective, optim: OptimConfig, trainer: TrainerConfig, loader: Loader, device: torch.device, config: dict
+) -> TrainState:
     """The networks placed and wrapped, their EMAs and optimizers, in a TrainState at step 0."""
     torch.manual_seed(trainer.seed)  # the same initial weights on every rank
     raw = build_model(**model_args).to(device)
@@ -81,13 +82,13 @@ def build_state(model_args: dict, objective, optim: OptimConfig, trainer: Traine
     for name in [name for name, network in objective.networks.items() if network.model_init]:
         start_from(raw, nets[name])  # a distillation's student starts as its teacher
     # the EMA copies first: under FSDP2, wrap() shards raw in place (and wrap_copy shards the copies alike)
-    ema = EMA(raw, trainer.ema_decays, wrap=lambda m: wrap_copy(m, device, trainer.parallel),
-              sigma_rels=trainer.ema_sigma_rels)
+    ema = EMA(raw, trainer.ema_decays, wrap=lambda m: wrap_copy(m, device, trainer.parallel), sigma_rels=trainer.ema_sigma_rels)
     model = wrap(raw, device, trainer.parallel)
     if trainer.compile:
         model = torch.compile(model)
-    optimizers = {"model": Optimizer(nn.ModuleDict({"model": raw, "objective": objective}), optim,
-                                     replicated=objective.parameters())}
+    optimizers = {
+        "model": Optimizer(nn.ModuleDict({"model": raw, "objective": objective}), optim, replicated=objective.parameters())
+    }
     trainable, extras = {}, {}
     for name, network in objective.networks.items():  # a distillation's teacher and fake score
         net = nets[name]
@@ -96,13 +97,25 @@ def build_state(model_args: dict, objective, optim: OptimConfig, trainer: Traine
             optimizers[name] = Optimizer(nn.ModuleDict({name: net}), dataclasses.replace(optim, **network.optim))
         else:
             extras[name] = wrap_copy(net.requires_grad_(False).eval(), device, trainer.parallel)
-    return TrainState(model=raw, wrapped=model, ema=ema, objective=objective, optimizers=optimizers, loader=loader,
-                      device=device, model_args=model_args, config=config, max_nonfinite=trainer.max_nonfinite,
-                      trainable=trainable, extras=extras)
+    return TrainState(
+        model=raw,
+        wrapped=model,
+        ema=ema,
+        objective=objective,
+        optimizers=optimizers,
+        loader=loader,
+        device=device,
+        model_args=model_args,
+        config=config,
+        max_nonfinite=trainer.max_nonfinite,
+        trainable=trainable,
+        extras=extras,
+    )
 
 
-def accumulate(state: TrainState, loss_and_backward, trainer: TrainerConfig, device, *, conditional: bool,
-               keep_metrics: bool) -> tuple[torch.Tensor, dict, tuple[str, ...]]:
+def accumulate(
+    state: TrainState, loss_and_backward, trainer: TrainerConfig, device, *, conditional: bool, keep_metrics: bool
+) -> tuple[torch.Tensor, dict, tuple[str, ...]]:
     """One step's micro-batches: batch -> loss -> backward. (mean loss, the objective's mean metrics,
     the networks the step updates)."""
     loss_step, metrics, updates = torch.zeros((), device=device), {}, None
@@ -129,8 +142,9 @@ class Meter:
         self.t_start = self.t_window = time.perf_counter()
         self.step_start, self.steps = step, 0
 
-    def metrics(self, state: TrainState, trainer: TrainerConfig, device, objective_metrics: dict,
-                grad_norms: dict[str, torch.Tensor]) -> dict:
+    def metrics(
+        self, state: TrainState, trainer: TrainerConfig, device, objective_metrics: dict, grad_norms: dict[str, torch.Tensor]
+    ) -> dict:
         """The logged step's metrics (means over ranks), and a new window."""
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -158,16 +172,74 @@ class Meter:
 
 def sample_grid(state: TrainState, trainer: TrainerConfig, run_dir: str, run_log: RunLogger, **generate_args) -> None:
     """The EMA's samples of fixed seeds and labels; every rank samples (FSDP2 gathers), rank 0 writes."""
-    images = generate(state.sampled, state.objective, seeds=list(range(trainer.sample_n)),
-                      cfg_scale=trainer.sample_cfg_scale, **generate_args)
+    images = generate(
+        state.sampled, state.objective, seeds=list(range(trainer.sample_n)), cfg_scale=trainer.sample_cfg_scale, **generate_args
+    )
     if dist.is_main():
         path = os.path.join(run_dir, "samples", f"step-{state.step:08d}.png")
         save_grid(images, path, nrow=10 if state.model_args["num_classes"] == 10 else None)
         run_log.log_image(state.step, "samples", path)
 
 
-def train(*, run_dir: str, model: ModelConfig, objective: Objective, data: DataConfig, optim: OptimConfig,
-          trainer: TrainerConfig, logger: LoggerConfig, config: dict | None = None) -> dict:
+@dataclasses.dataclass
+class RunData:
+    """What the run trains on: the dataset and its loader, and for latents the VAE decoder, the images FID
+    compares against and the run config with the latents' record (it goes with every checkpoint)."""
+
+    dataset: object
+    loader: Loader
+    num_classes: int
+    reference: DataConfig
+    config: dict
+    decoder: Decoder | None = None
+
+
+def open_data(data: DataConfig, trainer: TrainerConfig, micro_batch: int, device, config: dict) -> RunData:
+    dataset = data.build()
+    decoder, reference = None, data
+    if isinstance(dataset, LatentFiles):  # samples are decoded by the folder's VAE
+        config = {**config, "latents": dataset.info.as_dict()}
+        decoder = Decoder(dataset.info, device)
+        reference = dataclasses.replace(data, **reference_source(dataset.info.as_dict()))  # FID: the source images
+    loader = Loader(
+        dataset,
+        batch_size=micro_batch,
+        rank=dist.rank(),
+        world_size=dist.world_size(),
+        seed=trainer.seed,
+        grad_accum=trainer.grad_accum,
+        hflip=data.hflip,
+        num_workers=data.num_workers,
+    )
+    num_classes = dataset.num_classes if trainer.class_conditional else 0
+    return RunData(dataset, loader, num_classes, reference, config, decoder)
+
+
+def banner(
+    run_dir, state: TrainState, objective, dataset, trainer: TrainerConfig, device, dtype, micro_batch, resume_from
+) -> str:
+    """The run's first log line: folder, model, objective, data, devices, precision, batch split, resume point."""
+    world, n_params = dist.world_size(), sum(p.numel() for p in state.model.parameters())
+    return (
+        f"run folder {os.path.abspath(run_dir)} | {state.model_args['name']} {n_params / 1e6:.2f}M params | "
+        f"{type(objective).__name__} | {len(dataset)} images {dataset.channels}x{dataset.resolution}x{dataset.resolution} | "
+        f"device {device} x {world}{f' ({trainer.parallel})' if world > 1 else ''} | precision {dtype or torch.float32} | "
+        f"batch {trainer.batch_size} = {world} ranks x {trainer.grad_accum} accum x {micro_batch}"
+        + (f" | resumed from {resume_from} at step {state.step}" if resume_from else "")
+    )
+
+
+def train(
+    *,
+    run_dir: str,
+    model: ModelConfig,
+    objective: Objective,
+    data: DataConfig,
+    optim: OptimConfig,
+    trainer: TrainerConfig,
+    logger: LoggerConfig,
+    config: dict | None = None,
+) -> dict:
     """Train until trainer.max_steps; returns the last logged metrics.
 
     The data and the objective complete the model's build arguments (model.args); config is the
@@ -186,38 +258,43 @@ def train(*, run_dir: str, model: ModelConfig, objective: Objective, data: DataC
         check_cuda_graph(trainer, device, world)
     resume_from = checkpoint.resolve_resume(trainer.resume, run_dir)
 
-    dataset = data.build()
-    decoder, reference = None, data
-    if isinstance(dataset, LatentFiles):  # samples are decoded by the folder's VAE; the record goes with every checkpoint
-        config = {**(config or {}), "latents": dataset.info.as_dict()}
-        decoder = Decoder(dataset.info, device)
-        reference = dataclasses.replace(data, **reference_source(dataset.info.as_dict()))  # FID: the source images
-    num_classes = dataset.num_classes if trainer.class_conditional else 0
-    model_args = model.args(input_size=dataset.resolution, in_channels=dataset.channels, num_classes=num_classes,
-                            time_inputs=objective.time_inputs)
-    loader = Loader(dataset, batch_size=micro_batch, rank=dist.rank(), world_size=world, seed=trainer.seed,
-                    grad_accum=trainer.grad_accum, hflip=data.hflip, num_workers=data.num_workers)
-    state = build_state(model_args, objective, optim, trainer, loader, device, config or {})
+    run = open_data(data, trainer, micro_batch, device, config or {})
+    dataset, decoder, num_classes, config = run.dataset, run.decoder, run.num_classes, run.config
+    model_args = model.args(
+        input_size=dataset.resolution, in_channels=dataset.channels, num_classes=num_classes, time_inputs=objective.time_inputs
+    )
+    state = build_state(model_args, objective, optim, trainer, run.loader, device, config)
     if resume_from:
         state.load_state_dict(checkpoint.load(resume_from), source=resume_from)
         if state.step >= trainer.max_steps:
-            raise ValueError(f"checkpoint {resume_from!r} is at step {state.step}, and trainer.max_steps={trainer.max_steps}: "
-                             f"nothing to train; pass trainer.max_steps > {state.step} to continue the run")
-    n_params = sum(p.numel() for p in state.model.parameters())
-    dist.info0(
-        f"run folder {os.path.abspath(run_dir)} | {model_args['name']} {n_params / 1e6:.2f}M params | "
-        f"{type(objective).__name__} | {len(dataset)} images {dataset.channels}x{dataset.resolution}x{dataset.resolution} | "
-        f"device {device} x {world}{f' ({trainer.parallel})' if world > 1 else ''} | precision {dtype or torch.float32} | "
-        f"batch {trainer.batch_size} = {world} ranks x {trainer.grad_accum} accum x {micro_batch}"
-        + (f" | resumed from {resume_from} at step {state.step}" if resume_from else "")
-    )
+            raise ValueError(
+                f"checkpoint {resume_from!r} is at step {state.step}, and trainer.max_steps={trainer.max_steps}: "
+                f"nothing to train; pass trainer.max_steps > {state.step} to continue the run"
+            )
+    dist.info0(banner(run_dir, state, objective, dataset, trainer, device, dtype, micro_batch, resume_from))
     shape = (dataset.channels, dataset.resolution, dataset.resolution)
     steps = trainer.sample_steps or objective.sample_steps
     per_rank = micro_batch * trainer.grad_accum  # images per rank per step: the sampling batch
-    grid = dict(labels=class_labels(trainer.sample_n, num_classes), shape=shape, steps=steps, batch_size=per_rank,
-                device=device, amp_dtype=dtype, decode=decoder)
-    in_loop_eval = InTraining(trainer, reference, shape=shape, num_classes=num_classes, device=device, amp_dtype=dtype,
-                              batch_size=per_rank, sample_steps=steps, decoder=decoder)
+    grid = dict(
+        labels=class_labels(trainer.sample_n, num_classes),
+        shape=shape,
+        steps=steps,
+        batch_size=per_rank,
+        device=device,
+        amp_dtype=dtype,
+        decode=decoder,
+    )
+    in_loop_eval = InTraining(
+        trainer,
+        run.reference,
+        shape=shape,
+        num_classes=num_classes,
+        device=device,
+        amp_dtype=dtype,
+        batch_size=per_rank,
+        sample_steps=steps,
+        decoder=decoder,
+    )
     run_log = RunLogger(run_dir, logger, run_config=config, resumed_at=state.step if resume_from else None)
 
     def loss_and_backward(x, y, step):
@@ -225,8 +302,10 @@ def train(*, run_dir: str, model: ModelConfig, objective: Objective, data: DataC
             loss, extra = objective.loss(state.wrapped, x, y, step=step, **state.extras)
         loss, updates = state.losses(loss)
         if trainer.cuda_graph and updates != tuple(state.optimizers):
-            raise ValueError(f"trainer.cuda_graph=true replays one captured step, and {type(objective).__name__} "
-                             f"alternates the networks it updates; set trainer.cuda_graph=false")
+            raise ValueError(
+                f"trainer.cuda_graph=true replays one captured step, and {type(objective).__name__} "
+                f"alternates the networks it updates; set trainer.cuda_graph=false"
+            )
         (loss / trainer.grad_accum).backward()
         return loss, extra, updates
 
@@ -244,8 +323,9 @@ def train(*, run_dir: str, model: ModelConfig, objective: Objective, data: DataC
         while state.step < trainer.max_steps:
             logs = (state.step + 1) % trainer.log_every == 0 or state.step + 1 == trainer.max_steps
             saves = state.step + 1 == trainer.max_steps or (trainer.ckpt_every and (state.step + 1) % trainer.ckpt_every == 0)
-            loss, objective_metrics, updates = accumulate(state, step_fn, trainer, device, conditional=num_classes > 0,
-                                                          keep_metrics=logs)
+            loss, objective_metrics, updates = accumulate(
+                state, step_fn, trainer, device, conditional=num_classes > 0, keep_metrics=logs
+            )
             state.outcomes.settle()  # the previous step's outcome, long computed by now: the GPU has this step's work queued
             grad_norms = state.update(loss, updates)
             meter.steps += 1

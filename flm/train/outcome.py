@@ -78,8 +78,10 @@ class Outcomes:
             counts.in_a_row = 0
         else:
             counts.total, counts.in_a_row = counts.total + 1, counts.in_a_row + 1
-            log.warning(f"step {step}: non-finite loss {loss} or grad norm {norm}; "
-                        f"skipped ({counts.in_a_row} in a row, {counts.total} in total)")
+            log.warning(
+                f"step {step}: non-finite loss {loss} or grad norm {norm}; "
+                f"skipped ({counts.in_a_row} in a row, {counts.total} in total)"
+            )
             if counts.in_a_row >= self.max_nonfinite:
                 raise FloatingPointError(
                     f"{counts.in_a_row} non-finite steps in a row (last at step {step}); training stopped. "

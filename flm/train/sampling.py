@@ -9,6 +9,7 @@ import torch
 from flm.files import write_atomically
 from flm.objectives.paths import randn_per_image
 
+
 def class_labels(n: int, num_classes: int, label: int | None = None) -> torch.Tensor | None:
     """Labels for n images: all `label` if given, else cycling 0, 1, ..., num_classes - 1 (None if unconditional)."""
     if num_classes == 0:
@@ -21,8 +22,20 @@ def class_labels(n: int, num_classes: int, label: int | None = None) -> torch.Te
 
 
 @torch.no_grad()
-def generate(model, objective, *, seeds, labels, shape, steps: int, cfg_scale: float = 1.0,
-             batch_size: int = 64, device="cpu", amp_dtype: torch.dtype | None = None, decode=None) -> torch.Tensor:
+def generate(
+    model,
+    objective,
+    *,
+    seeds,
+    labels,
+    shape,
+    steps: int,
+    cfg_scale: float = 1.0,
+    batch_size: int = 64,
+    device="cpu",
+    amp_dtype: torch.dtype | None = None,
+    decode=None,
+) -> torch.Tensor:
     """Images in [-1, 1], (len(seeds), *shape), on the CPU; with `decode` (a latent run's flm.latents.Decoder),
     the sampled latents of `shape` decoded to images.
 
@@ -34,10 +47,10 @@ def generate(model, objective, *, seeds, labels, shape, steps: int, cfg_scale: f
     model.eval()
     out = []
     for lo in range(0, len(seeds), batch_size):
-        seeds_b = seeds[lo: lo + batch_size]
+        seeds_b = seeds[lo : lo + batch_size]
         generators = [torch.Generator().manual_seed(int(s)) for s in seeds_b]
         noise = randn_per_image(generators, shape, device=device)
-        y = None if labels is None else labels[lo: lo + batch_size].to(device)
+        y = None if labels is None else labels[lo : lo + batch_size].to(device)
         autocast = torch.autocast(device.type, dtype=amp_dtype) if amp_dtype else contextlib.nullcontext()
         with autocast:
             x = objective.sample(model, noise, y, steps=steps, cfg_scale=cfg_scale, generators=generators)
@@ -63,7 +76,7 @@ def save_grid(images: torch.Tensor, path: str, nrow: int | None = None) -> None:
     grid = np.zeros((ncol * (h + pad) + pad, nrow * (w + pad) + pad, c), dtype=np.uint8)
     for i in range(n):
         r, q = divmod(i, nrow)
-        grid[pad + r * (h + pad): pad + r * (h + pad) + h, pad + q * (w + pad): pad + q * (w + pad) + w] = pixels[i]
+        grid[pad + r * (h + pad) : pad + r * (h + pad) + h, pad + q * (w + pad) : pad + q * (w + pad) + w] = pixels[i]
     image = Image.fromarray(grid[..., 0] if c == 1 else grid)
     write_atomically(path, lambda tmp: image.save(tmp, format="PNG"), needed_bytes=grid.nbytes // 4)
 
@@ -72,5 +85,9 @@ def save_npz(path: str, images: torch.Tensor, seeds, labels) -> None:
     """images (uint8 N, H, W, C), seeds and labels (-1 when unconditional), written atomically."""
     labels = np.full(len(seeds), -1) if labels is None else labels.numpy()
     pixels = to_uint8(images)
-    write_atomically(path, lambda tmp: np.savez(tmp, images=pixels, seeds=np.asarray(seeds), labels=labels),
-                     needed_bytes=pixels.nbytes, tmp_suffix=".tmp.npz")  # np.savez adds .npz to other names
+    write_atomically(
+        path,
+        lambda tmp: np.savez(tmp, images=pixels, seeds=np.asarray(seeds), labels=labels),
+        needed_bytes=pixels.nbytes,
+        tmp_suffix=".tmp.npz",
+    )  # np.savez adds .npz to other names

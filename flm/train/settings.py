@@ -43,8 +43,7 @@ class TrainerConfig:
 
     def __post_init__(self):
         check_fields(self, "trainer")
-        positive = ("max_steps", "batch_size", "grad_accum", "log_every", "sample_n", "max_nonfinite",
-                    "collective_timeout_s")
+        positive = ("max_steps", "batch_size", "grad_accum", "log_every", "sample_n", "max_nonfinite", "collective_timeout_s")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"trainer.{name} must be > 0, got {getattr(self, name)}")

@@ -77,9 +77,22 @@ class TrainState:
     the step, the non-finite counters and the loss window; plus what the bundle records for sample.py
     (model_args, config)."""
 
-    def __init__(self, *, model: nn.Module, wrapped: nn.Module, ema: EMA, objective, optimizers: dict[str, Optimizer],
-                 loader, device: torch.device, model_args: dict, config: dict, max_nonfinite: int,
-                 trainable: dict[str, nn.Module] | None = None, extras: dict[str, nn.Module] | None = None):
+    def __init__(
+        self,
+        *,
+        model: nn.Module,
+        wrapped: nn.Module,
+        ema: EMA,
+        objective,
+        optimizers: dict[str, Optimizer],
+        loader,
+        device: torch.device,
+        model_args: dict,
+        config: dict,
+        max_nonfinite: int,
+        trainable: dict[str, nn.Module] | None = None,
+        extras: dict[str, nn.Module] | None = None,
+    ):
         self.model, self.wrapped, self.ema, self.objective = model, wrapped, ema, objective
         self.optimizers, self.loader, self.model_args, self.config = optimizers, loader, model_args, config
         self.trainable = trainable or {}  # the objective's trainable networks, unwrapped (saved)
@@ -89,8 +102,9 @@ class TrainState:
     def parts(self, source: str = "the checkpoint") -> dict:
         """The checkpoint's contents, in load order: the records that a resume checks come first."""
         parts = {
-            "model_args": Part(lambda: self.model_args,
-                               lambda saved: checkpoint.check_model_args(source, saved, self.model_args)),
+            "model_args": Part(
+                lambda: self.model_args, lambda saved: checkpoint.check_model_args(source, saved, self.model_args)
+            ),
             "config": Part(lambda: self.config, lambda saved: checkpoint.check_objective(source, saved, self.config)),
             "model": Weights(self.model),
             "ema": self.ema,
@@ -118,8 +132,10 @@ class TrainState:
         parts = self.parts(source)
         missing = [name for name in parts if name not in bundle]
         if missing:
-            raise ValueError(f"checkpoint {source!r} lacks {', '.join(missing)}: it was written by another version "
-                             f"of flm or for another objective; resume from a checkpoint of this run, or start anew")
+            raise ValueError(
+                f"checkpoint {source!r} lacks {', '.join(missing)}: it was written by another version "
+                f"of flm or for another objective; resume from a checkpoint of this run, or start anew"
+            )
         for name, part in parts.items():
             part.load_state_dict(bundle[name])
 
@@ -162,8 +178,10 @@ class TrainState:
             return loss, tuple(self.optimizers)
         unknown = sorted(set(loss) - set(self.optimizers))
         if unknown or not loss:
-            raise ValueError(f"{type(self.objective).__name__}.loss returned losses for {sorted(loss)}; the networks "
-                             f"it can update are {', '.join(self.optimizers)}")
+            raise ValueError(
+                f"{type(self.objective).__name__}.loss returned losses for {sorted(loss)}; the networks "
+                f"it can update are {', '.join(self.optimizers)}"
+            )
         return sum(loss.values()), tuple(name for name in self.optimizers if name in loss)
 
     def update(self, loss: torch.Tensor, updates: tuple[str, ...]) -> dict[str, torch.Tensor]:

@@ -142,8 +142,24 @@ def test_compiles_without_graph_breaks():
 
 
 def _fake_flash_attn_backward(
-    dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
-    window_size_left, window_size_right, softcap, alibi_slopes, deterministic, rng_state=None,
+    dout,
+    q,
+    k,
+    v,
+    out,
+    softmax_lse,
+    dq,
+    dk,
+    dv,
+    dropout_p,
+    softmax_scale,
+    causal,
+    window_size_left,
+    window_size_right,
+    softcap,
+    alibi_slopes,
+    deterministic,
+    rng_state=None,
 ):
     """flash_attn 2.7's private backward (same signature, (B, N, H, D) layout), computed the way it
     does: P from the saved natural-log lse, dS = P * (dP - rowsum(dO * O))."""

@@ -7,8 +7,19 @@ import torch
 
 from flm.data import shipped_mnist
 from flm.metrics import fid
-from flm.metrics.fid import (FeatureNet, Stats, check_stats, features, frechet_distance, load_inception, moments,
-                             prepare, read_stats, reference_stats, stats_key)
+from flm.metrics.fid import (
+    FeatureNet,
+    Stats,
+    check_stats,
+    features,
+    frechet_distance,
+    load_inception,
+    moments,
+    prepare,
+    read_stats,
+    reference_stats,
+    stats_key,
+)
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 INCEPTION = os.environ.get(fid.INCEPTION_ENV) or str(ROOT / "data" / "fid" / fid.INCEPTION_FILE)

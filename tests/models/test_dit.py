@@ -1,6 +1,6 @@
 """DiT: shapes, init, bad input, and JVPs through the fused attention.
 
-    python -m pytest tests/models -q
+python -m pytest tests/models -q
 """
 
 import copy

@@ -11,8 +11,12 @@ from flm.models import build_model
 
 def tiny_dit(*, attention="math", num_classes=10, time_inputs=1, size="DiT-T/2", input_size=8, channels=3, seed=0):
     model = build_model(
-        size, input_size=input_size, in_channels=channels, num_classes=num_classes,
-        time_inputs=time_inputs, attention=attention,
+        size,
+        input_size=input_size,
+        in_channels=channels,
+        num_classes=num_classes,
+        time_inputs=time_inputs,
+        attention=attention,
     )
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():

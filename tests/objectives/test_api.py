@@ -1,6 +1,6 @@
 """build_objective, the objectives' common interface, and bad input.
 
-    python -m pytest tests/objectives/test_api.py -q
+python -m pytest tests/objectives/test_api.py -q
 """
 
 import pytest

@@ -1,6 +1,6 @@
 """sCT on TrigFlow: loss at the exact consistency function, warm-up, adaptive weighting, sampler.
 
-    python -m pytest tests/objectives/test_consistency.py -q
+python -m pytest tests/objectives/test_consistency.py -q
 """
 
 import pytest
@@ -74,8 +74,12 @@ def test_multi_step_sampling_depends_only_on_each_images_generator():
     model = tiny_dit(num_classes=0, channels=1, input_size=8)
     scm, noise = SCM(), torch.randn(5, 1, 8, 8)
     whole = scm.sample(model, noise, steps=3, generators=_generators(range(5)))
-    split = torch.cat([scm.sample(model, noise[:2], steps=3, generators=_generators(range(2))),
-                       scm.sample(model, noise[2:], steps=3, generators=_generators(range(2, 5)))])
+    split = torch.cat(
+        [
+            scm.sample(model, noise[:2], steps=3, generators=_generators(range(2))),
+            scm.sample(model, noise[2:], steps=3, generators=_generators(range(2, 5))),
+        ]
+    )
     torch.testing.assert_close(whole, split, rtol=1e-5, atol=1e-5)
     reordered = scm.sample(model, noise.flip(0), steps=3, generators=_generators(range(4, -1, -1)))
     torch.testing.assert_close(whole, reordered.flip(0), rtol=1e-5, atol=1e-5)

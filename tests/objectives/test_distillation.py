@@ -93,8 +93,11 @@ def test_rcm_alternates_fake_score_and_student_updates():
         losses, _ = rcm.loss(student, x, y, step=step, teacher=teacher, fake_score=fake)
         assert list(losses) == [updated]
         params = {"model": student, "fake_score": fake}
-        grads = {n: torch.autograd.grad(losses[updated], list(m.parameters()), allow_unused=True)
-                 for n, m in params.items() if any(p.requires_grad for p in m.parameters())}
+        grads = {
+            n: torch.autograd.grad(losses[updated], list(m.parameters()), allow_unused=True)
+            for n, m in params.items()
+            if any(p.requires_grad for p in m.parameters())
+        }
         for name, g in grads.items():
             assert any(gi is not None for gi in g) == (name == updated), (step, name)
 
@@ -127,12 +130,15 @@ def test_meanflow_with_a_teacher_regresses_on_the_teachers_velocity():
     torch.testing.assert_close(loss, expected, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"teacher": ""}, "objective.teacher is not set"),
-    ({"teacher": "t", "teacher_cfg_scale": 0.5}, "teacher_cfg_scale must be >= 1.0"),
-    ({"teacher": "t", "fake_updates": 0}, "fake_updates >= 1"),
-    ({"teacher": "t", "fake_lr": 0.0}, "fake_lr must be"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"teacher": ""}, "objective.teacher is not set"),
+        ({"teacher": "t", "teacher_cfg_scale": 0.5}, "teacher_cfg_scale must be >= 1.0"),
+        ({"teacher": "t", "fake_updates": 0}, "fake_updates >= 1"),
+        ({"teacher": "t", "fake_lr": 0.0}, "fake_lr must be"),
+    ],
+)
 def test_bad_options_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
         RCM(**kwargs)

@@ -1,6 +1,6 @@
 """Flow matching: samplers on a closed-form flow, the loss at the exact velocity, guidance.
 
-    python -m pytest tests/objectives/test_flow_matching.py -q
+python -m pytest tests/objectives/test_flow_matching.py -q
 """
 
 import torch

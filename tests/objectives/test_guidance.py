@@ -31,7 +31,7 @@ def reference_guided(model, x, t, r, y, w, interval):
     """Per sample: null + w (cond - null) where t_min <= t <= t_max, cond elsewhere."""
     out = []
     for i in range(len(x)):
-        xi, ti, ri, yi = x[i: i + 1], t[i: i + 1], None if r is None else r[i: i + 1], y[i: i + 1]
+        xi, ti, ri, yi = x[i : i + 1], t[i : i + 1], None if r is None else r[i : i + 1], y[i : i + 1]
         cond = model(xi, ti, ri, yi)
         if interval[0] <= ti.item() <= interval[1]:
             null = model(xi, ti, ri, torch.full_like(yi, model.num_classes))
@@ -77,8 +77,9 @@ def test_scm_sampler_interval_is_in_trigflow_time():
     scm = SCM()  # 2 steps: t_max = arctan(160) ~ 1.564, then mid_t 1.1
 
     def two_steps(objective, w):  # the re-noising drawn from the same generators each time
-        return objective.sample(model, noise, y, steps=2, cfg_scale=w,
-                                generators=[torch.Generator().manual_seed(i) for i in range(3)])
+        return objective.sample(
+            model, noise, y, steps=2, cfg_scale=w, generators=[torch.Generator().manual_seed(i) for i in range(3)]
+        )
 
     plain, full = two_steps(scm, 1.0), two_steps(scm, 2.0)
     assert torch.equal(two_steps(SCM(cfg_interval=[0.0, 1.0]), 2.0), plain)
@@ -86,9 +87,9 @@ def test_scm_sampler_interval_is_in_trigflow_time():
     assert not torch.allclose(plain, full)
     # guided at the first step only: the reference takes the guided first step, then the plain second
     x0 = math.cos(scm.t_max) * 0.5 * noise - math.sin(scm.t_max) * 0.5 * reference_guided(
-        model, noise, torch.full((3,), scm.t_max), None, y, 2.0, (1.2, 1.6))
-    torch.testing.assert_close(SCM(cfg_interval=[1.2, 1.6], mid_t=(1.1,)).sample(model, noise, y, steps=1, cfg_scale=2.0),
-                               x0)
+        model, noise, torch.full((3,), scm.t_max), None, y, 2.0, (1.2, 1.6)
+    )
+    torch.testing.assert_close(SCM(cfg_interval=[1.2, 1.6], mid_t=(1.1,)).sample(model, noise, y, steps=1, cfg_scale=2.0), x0)
 
 
 def test_meanflow_guidance_in_training_only_inside_the_interval():
@@ -102,13 +103,13 @@ def test_meanflow_guidance_in_training_only_inside_the_interval():
     s = mf.path.sample(x, torch.randn_like(x), torch.linspace(0.05, 0.95, 8))
     got = mf._guided_velocity(model, s, y, y_in)
     for i in range(8):
-        t = s.t[i: i + 1]
-        v = s.dx_t[i: i + 1]
+        t = s.t[i : i + 1]
+        v = s.dx_t[i : i + 1]
         if 0.2 <= t.item() <= 0.6 and i != 1:
-            u_c = model(s.x_t[i: i + 1], t, t, y[i: i + 1])
-            u_n = model(s.x_t[i: i + 1], t, t, torch.full_like(y[i: i + 1], model.num_classes))
+            u_c = model(s.x_t[i : i + 1], t, t, y[i : i + 1])
+            u_n = model(s.x_t[i : i + 1], t, t, torch.full_like(y[i : i + 1], model.num_classes))
             v = 0.5 * v + 0.3 * u_c + 0.2 * u_n
-        torch.testing.assert_close(got[i: i + 1], v)
+        torch.testing.assert_close(got[i : i + 1], v)
 
 
 @pytest.mark.parametrize("bad", [[0.5], [0.7, 0.2], "0.1", [0.1, True]])

@@ -31,8 +31,15 @@ def _grads(objective_name, model, backend, mode):
 def test_fused_bf16_step_matches_math_at_head_dim_72(objective_name):
     torch.manual_seed(0)
     model = DiT(
-        input_size=16, in_channels=4, patch_size=2, hidden_size=144, depth=2, num_heads=2,
-        num_classes=10, time_inputs=2 if objective_name == "meanflow" else 1, attention="math",
+        input_size=16,
+        in_channels=4,
+        patch_size=2,
+        hidden_size=144,
+        depth=2,
+        num_heads=2,
+        num_classes=10,
+        time_inputs=2 if objective_name == "meanflow" else 1,
+        attention="math",
     ).cuda()
     with torch.no_grad():
         for p in model.parameters():

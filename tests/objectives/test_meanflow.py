@@ -1,6 +1,6 @@
 """MeanFlow: the loss at the exact average velocity, its target in closed form, the sampler.
 
-    python -m pytest tests/objectives/test_meanflow.py -q
+python -m pytest tests/objectives/test_meanflow.py -q
 """
 
 import pytest

@@ -1,6 +1,6 @@
 """Paths and time samplers.
 
-    python -m pytest tests/objectives/test_paths.py -q
+python -m pytest tests/objectives/test_paths.py -q
 """
 
 import math

@@ -5,7 +5,6 @@ velocity, average velocity and consistency function are known. `offset` moves a 
 exact solution (and gives it a parameter to differentiate).
 """
 
-
 import torch
 from torch import nn
 
@@ -79,4 +78,3 @@ class LabelVelocity(nn.Module):
     def forward(self, x, t, r=None, y=None):
         value = torch.where(y == self.num_classes, torch.zeros_like(y), y + 1).float()
         return torch.ones_like(x) * _b(value, x)
-

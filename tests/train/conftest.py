@@ -1,6 +1,7 @@
 """Fixtures for the entry points and configs: compose like Hydra does, call train.py / sample.py."""
 
 import importlib.util
+import os
 import pathlib
 import subprocess
 import sys
@@ -12,8 +13,14 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 # A run that takes a second or two on a CPU: tiny DiT, a handful of steps, no intermediate grids.
 TINY = [
-    "model=DiT-T/4", "trainer.max_steps=4", "trainer.batch_size=4", "trainer.log_every=2",
-    "trainer.sample_n=4", "trainer.sample_every=0", "trainer.ckpt_every=0", "trainer.sample_steps=1",
+    "model=DiT-T/4",
+    "trainer.max_steps=4",
+    "trainer.batch_size=4",
+    "trainer.log_every=2",
+    "trainer.sample_n=4",
+    "trainer.sample_every=0",
+    "trainer.ckpt_every=0",
+    "trainer.sample_steps=1",
     "trainer.device=cpu",
 ]
 
@@ -60,6 +67,15 @@ def train_run(cfg_of, train_entry):
 
 def run_script(name: str, *args, cwd=None):
     """python <name>.py args... in a subprocess; (returncode, stdout, stderr)."""
-    proc = subprocess.run([sys.executable, str(ROOT / f"{name}.py"), *args], cwd=cwd or ROOT,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / f"{name}.py"), *args], cwd=cwd or ROOT, capture_output=True, text=True, timeout=300
+    )
     return proc.returncode, proc.stdout, proc.stderr
+
+
+def torchrun(script, *args) -> None:
+    """`script` (a path) with args in one torchrun launch of two CPU processes; fails the test with their output."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script), *args]
+    proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

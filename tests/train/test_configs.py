@@ -104,15 +104,24 @@ def test_default_is_the_offline_cpu_run(cfg_of):
 
 
 def test_slurm_launcher_composes():
-    pytest.importorskip("hydra_plugins.hydra_submitit_launcher",
-                        reason="hydra-submitit-launcher is an optional extra (pip install hydra-submitit-launcher)")
+    pytest.importorskip(
+        "hydra_plugins.hydra_submitit_launcher",
+        reason="hydra-submitit-launcher is an optional extra (pip install hydra-submitit-launcher)",
+    )
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
     with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
-        cfg = compose(config_name="train", overrides=["hydra/launcher=slurm", "hydra.launcher.partition=gpu",
-                                                      "hydra.launcher.nodes=2", "hydra.launcher.gpus_per_node=4"],
-                      return_hydra_config=True)
+        cfg = compose(
+            config_name="train",
+            overrides=[
+                "hydra/launcher=slurm",
+                "hydra.launcher.partition=gpu",
+                "hydra.launcher.nodes=2",
+                "hydra.launcher.gpus_per_node=4",
+            ],
+            return_hydra_config=True,
+        )
     launcher = OmegaConf.to_container(cfg.hydra.launcher, resolve=True)
     assert launcher["_target_"].endswith("submitit_launcher.SlurmLauncher")
     assert (launcher["partition"], launcher["nodes"], launcher["tasks_per_node"]) == ("gpu", 2, 4)

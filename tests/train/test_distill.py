@@ -3,10 +3,7 @@ student starts from it, every network resumes bit-exactly, two gloo processes (D
 a student samples without its teacher's file, and a bad teacher is one `error:` line with nothing written."""
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from typing import ClassVar
 
 import pytest
@@ -16,7 +13,7 @@ from flm.objectives import RCM
 from flm.objectives.teacher import check_teacher, load_teacher
 from flm.train import checkpoint
 
-from .conftest import ROOT, TINY, run_script
+from .conftest import ROOT, TINY, run_script, torchrun
 from .test_loop import assert_same_state
 
 STUDENT = ["trainer.ckpt_every=2", "trainer.keep_last=0", "objective.warmup_steps=2"]
@@ -50,8 +47,12 @@ class Watched(RCM):
 
 
 def test_the_teacher_stays_frozen_and_the_student_starts_from_it(tmp_path, teacher, train_run):
-    args = ["objective._target_=tests.train.test_distill.Watched", "~objective.name", "optim.lr=1e-12",
-            "trainer.ema_decays=[0.9]"]
+    args = [
+        "objective._target_=tests.train.test_distill.Watched",
+        "~objective.name",
+        "optim.lr=1e-12",
+        "trainer.ema_decays=[0.9]",
+    ]
     train_run(tmp_path, objective_of("rcm", teacher) + STUDENT + args)
     saved = Watched.seen["teacher"].state_dict()
     bundle = checkpoint.load(checkpoint.find_checkpoint(str(teacher / "flow_matching")))
@@ -92,14 +93,16 @@ def test_a_student_samples_without_its_teachers_file(tmp_path, teacher, train_ru
     assert list((tmp_path / "student" / "samples").glob("ckpt-00000004-ema-steps2-*.png"))
 
 
-@pytest.mark.parametrize("override, message", [
-    (["objective.teacher={tmp}/missing"], "does not exist"),
-    (["objective.teacher={teacher}/meanflow"], "was trained with objective 'meanflow', not flow_matching"),
-    (["objective.teacher={teacher}/flow_matching", "+data.resolution=16"], "image size 28 vs the student's 16"),
-    (["objective.teacher={teacher}/flow_matching", "trainer.class_conditional=false"],
-     "class count 10 vs the student's 0"),
-    (["objective.teacher={teacher}/flow_matching", "model=DiT-T/2"], "model size 'DiT-T/4' vs the student's 'DiT-T/2'"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        (["objective.teacher={tmp}/missing"], "does not exist"),
+        (["objective.teacher={teacher}/meanflow"], "was trained with objective 'meanflow', not flow_matching"),
+        (["objective.teacher={teacher}/flow_matching", "+data.resolution=16"], "image size 28 vs the student's 16"),
+        (["objective.teacher={teacher}/flow_matching", "trainer.class_conditional=false"], "class count 10 vs the student's 0"),
+        (["objective.teacher={teacher}/flow_matching", "model=DiT-T/2"], "model size 'DiT-T/4' vs the student's 'DiT-T/2'"),
+    ],
+)
 def test_a_bad_teacher_is_one_error_line_and_nothing_written(tmp_path, teacher, override, message):
     run_dir = tmp_path / "student"
     overrides = [o.format(tmp=tmp_path, teacher=teacher) for o in override]
@@ -110,8 +113,10 @@ def test_a_bad_teacher_is_one_error_line_and_nothing_written(tmp_path, teacher, 
 
 
 def test_a_teacher_of_another_channel_count_is_named():
-    bundle = {"config": {"objective": {"name": "flow_matching"}},
-              "model_args": {"name": "DiT-T/4", "input_size": 28, "in_channels": 1, "num_classes": 10, "time_scale": 1.0}}
+    bundle = {
+        "config": {"objective": {"name": "flow_matching"}},
+        "model_args": {"name": "DiT-T/4", "input_size": 28, "in_channels": 1, "num_classes": 10, "time_scale": 1.0},
+    }
     student = {**bundle["model_args"], "in_channels": 3}
     with pytest.raises(ValueError, match="channel count 1 vs the student's 3"):
         check_teacher("t.pt", bundle, student)
@@ -129,11 +134,7 @@ def test_two_processes_distil_as_one(tmp_path, teacher, train_run):
     train_run(tmp_path / "one", common + ["trainer.grad_accum=2"])
     jobs = [[str(tmp_path / mode), TINY + common + extra] for mode, extra in PARALLEL.items()]
     (tmp_path / "jobs.json").write_text(json.dumps(jobs))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "1"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(ROOT / "tests" / "train" / "ddp_worker.py"), str(tmp_path / "jobs.json")],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    torchrun(ROOT / "tests" / "train" / "ddp_worker.py", tmp_path / "jobs.json")
     one = checkpoint.load(str(tmp_path / "one" / "checkpoints" / "ckpt-00000004.pt"))
     for mode in PARALLEL:
         assert not (tmp_path / mode / "error.txt").exists(), (tmp_path / mode / "error.txt").read_text()

@@ -3,9 +3,6 @@ JVP modes) train as one process with the same global batch, a broken sync is cau
 between world sizes and parallel modes (2 -> 1, 1 -> 2, DDP <-> FSDP2)."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -13,11 +10,10 @@ from hydra import compose, initialize_config_dir
 
 from flm.train import checkpoint
 
-from .conftest import ROOT, TINY, load_entry
+from .conftest import ROOT, TINY, load_entry, torchrun
 
 # 8 images a step: 2 ranks x 4, or 1 rank x 2 accumulation steps x 4 (the same micro-batches and noise)
-COMMON = ["trainer.batch_size=8", "objective.r_neq_t=0.75", "trainer.ckpt_every=2", "trainer.keep_last=0",
-          "trainer.sample_n=2"]
+COMMON = ["trainer.batch_size=8", "objective.r_neq_t=0.75", "trainer.ckpt_every=2", "trainer.keep_last=0", "trainer.sample_n=2"]
 ONE = ["trainer.grad_accum=2"]
 MODES = ("dual", "two_pass")
 FSDP = ["trainer.parallel=fsdp"]
@@ -33,13 +29,7 @@ def run_two(tmp, jobs):
     """The jobs ([run_dir, overrides]) in one torchrun launch of two CPU processes."""
     jobs_file = tmp / "jobs.json"
     jobs_file.write_text(json.dumps([[str(d), TINY + COMMON + o] for d, o in jobs]))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         str(ROOT / "tests" / "train" / "ddp_worker.py"), str(jobs_file)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    torchrun(ROOT / "tests" / "train" / "ddp_worker.py", jobs_file)
 
 
 @pytest.fixture(scope="module")
@@ -50,17 +40,25 @@ def runs(tmp_path_factory):
     resume = lambda run: [f"trainer.resume={tmp / run / 'checkpoints/ckpt-00000002.pt'}"]  # noqa: E731
     for mode in MODES:
         run_one(tmp / f"one-{mode}", [f"objective.jvp_mode={mode}"])
-    run_two(tmp, [(tmp / f"two-{mode}", [f"objective.jvp_mode={mode}"]) for mode in MODES]
-            + [(tmp / f"fsdp-{mode}", FSDP + [f"objective.jvp_mode={mode}"]) for mode in MODES] + [
-        (tmp / "one-to-two", resume("one-dual")),
-        (tmp / "one-to-fsdp", FSDP + resume("one-dual")),
-        (tmp / "two-to-fsdp", FSDP + resume("two-dual")),
-        (tmp / "fsdp-to-two", resume("fsdp-dual")),
-        (tmp / "bypass", ["objective._target_=tests.train.ddp_worker.ModuleBypass", "~objective.name",
-                            "trainer.max_steps=2"]),
-        (tmp / "fsdp-skew", FSDP + ["objective._target_=tests.train.ddp_worker.RankSkew", "~objective.name",
-                                    "trainer.max_steps=2"]),
-    ])
+    run_two(
+        tmp,
+        [(tmp / f"two-{mode}", [f"objective.jvp_mode={mode}"]) for mode in MODES]
+        + [(tmp / f"fsdp-{mode}", FSDP + [f"objective.jvp_mode={mode}"]) for mode in MODES]
+        + [
+            (tmp / "one-to-two", resume("one-dual")),
+            (tmp / "one-to-fsdp", FSDP + resume("one-dual")),
+            (tmp / "two-to-fsdp", FSDP + resume("two-dual")),
+            (tmp / "fsdp-to-two", resume("fsdp-dual")),
+            (
+                tmp / "bypass",
+                ["objective._target_=tests.train.ddp_worker.ModuleBypass", "~objective.name", "trainer.max_steps=2"],
+            ),
+            (
+                tmp / "fsdp-skew",
+                FSDP + ["objective._target_=tests.train.ddp_worker.RankSkew", "~objective.name", "trainer.max_steps=2"],
+            ),
+        ],
+    )
     run_one(tmp / "two-to-one", resume("two-dual"))
     run_one(tmp / "fsdp-to-one", resume("fsdp-dual"))
     return tmp
@@ -96,9 +94,7 @@ def test_two_processes_train_as_one(runs, parallel, mode):
     assert not torch.allclose(start["model"]["final_layer.linear.weight"], one["model"]["final_layer.linear.weight"])
 
 
-@pytest.mark.parametrize(
-    "direction", ["two-to-one", "one-to-two", "fsdp-to-one", "one-to-fsdp", "two-to-fsdp", "fsdp-to-two"]
-)
+@pytest.mark.parametrize("direction", ["two-to-one", "one-to-two", "fsdp-to-one", "one-to-fsdp", "two-to-fsdp", "fsdp-to-two"])
 def test_checkpoint_resumes_under_another_world_size(runs, direction):
     assert_same_training(final(runs / direction), final(runs / "one-dual"))
 
@@ -114,6 +110,7 @@ def test_a_replicated_tensor_out_of_sync_under_fsdp2_stops_the_run(runs):
     """Under FSDP2 the sync check compares what is replicated (the objective's parameters here): sharded
     parameters have a single owner, and their all-gathered values agree by construction."""
     error = (runs / "fsdp-skew" / "error.txt").read_text()
-    assert error.startswith("RuntimeError: parameters differ across ranks after step 1 (1 of 1 tensors, "
-                            "e.g. RankSkew.skew)"), error
+    assert error.startswith("RuntimeError: parameters differ across ranks after step 1 (1 of 1 tensors, e.g. RankSkew.skew)"), (
+        error
+    )
     assert not checkpoint.list_checkpoints(str(runs / "fsdp-skew"))

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from flm.train import checkpoint
-from flm.train.cli import user_error
+from flm.cli import user_error
 from flm.train.settings import local_batch_size
 
 from .conftest import TINY, run_script
@@ -35,16 +35,20 @@ def test_train_then_sample_from_the_command_line(tmp_path):
 
 
 def test_multirun(tmp_path):
-    rc, out, err = run_script("train", "-m", *TINY, "trainer.max_steps=2", "objective=flow_matching,meanflow",
-                              f"hydra.sweep.dir={tmp_path}")
+    rc, out, err = run_script(
+        "train", "-m", *TINY, "trainer.max_steps=2", "objective=flow_matching,meanflow", f"hydra.sweep.dir={tmp_path}"
+    )
     assert rc == 0, err
     assert all(checkpoint.list_checkpoints(str(tmp_path / job)) for job in ("0", "1"))
 
 
-@pytest.mark.parametrize("override,expected", [
-    ("model=DiT-Q/9", "Could not find 'model/DiT-Q/9'"),
-    ("trainer.no_such_key=1", "Key 'no_such_key' is not in struct"),
-])
+@pytest.mark.parametrize(
+    "override,expected",
+    [
+        ("model=DiT-Q/9", "Could not find 'model/DiT-Q/9'"),
+        ("trainer.no_such_key=1", "Key 'no_such_key' is not in struct"),
+    ],
+)
 def test_unknown_config_option(tmp_path, override, expected):
     rc, _, err = run_script("train", override, f"run_dir={tmp_path / 'run'}")
     assert rc != 0 and expected in err
@@ -56,14 +60,17 @@ def test_bad_value_is_one_line_and_leaves_nothing(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize("override,expected", [
-    ("trainer.batch_size=-4", "trainer.batch_size must be > 0, got -4"),
-    ("optim.lr=0", "optim.lr must be a finite number > 0, got 0"),
-    ("optim.lr=-1e-3", "optim.lr must be a finite number > 0, got -0.001"),
-    ("optim.lr=inf", "optim.lr must be a finite number > 0, got inf"),
-    ("trainer.grad_accum=3", "trainer.batch_size=4 is not divisible by world size x grad_accum = 1 x 3"),
-    ("data=mnist", "does not exist"),
-])
+@pytest.mark.parametrize(
+    "override,expected",
+    [
+        ("trainer.batch_size=-4", "trainer.batch_size must be > 0, got -4"),
+        ("optim.lr=0", "optim.lr must be a finite number > 0, got 0"),
+        ("optim.lr=-1e-3", "optim.lr must be a finite number > 0, got -0.001"),
+        ("optim.lr=inf", "optim.lr must be a finite number > 0, got inf"),
+        ("trainer.grad_accum=3", "trainer.batch_size=4 is not divisible by world size x grad_accum = 1 x 3"),
+        ("data=mnist", "does not exist"),
+    ],
+)
 def test_bad_values(tmp_path, train_run, override, expected):
     extra = ["data.root=" + str(tmp_path / "missing")] if override.startswith("data=") else []
     assert expected in error_of(train_run, tmp_path / "run", [override] + extra)

@@ -13,7 +13,7 @@ from flm.train.evaluation import Evaluator, check_n, parse_steps
 from flm.train.generator import build_objective_from, load_generator
 
 from ..metrics.standin import StandIn, save_standin
-from .conftest import load_entry, run_script
+from .conftest import ROOT, load_entry, run_script, torchrun
 from .test_entrypoints import error_of
 
 
@@ -22,7 +22,7 @@ def run(tmp_path_factory):
     """A 4-step MeanFlow run on the shipped digits, and the stand-in network and digit statistics beside it."""
     from hydra import compose, initialize_config_dir
 
-    from .conftest import ROOT, TINY
+    from .conftest import TINY
 
     root = tmp_path_factory.mktemp("eval")
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
@@ -40,8 +40,17 @@ def evaluate_run(cfg_of):
 
 def test_evaluate_from_the_command_line(run, tmp_path):
     out = tmp_path / "fid.json"
-    rc, stdout, err = run_script("evaluate", f"ckpt={run['dir']}", "n=12", "steps=[1,2]", "batch_size=5",
-                                 f"inception={run['inception']}", f"ref={run['ref']}", f"out={out}", "device=cpu")
+    rc, stdout, err = run_script(
+        "evaluate",
+        f"ckpt={run['dir']}",
+        "n=12",
+        "steps=[1,2]",
+        "batch_size=5",
+        f"inception={run['inception']}",
+        f"ref={run['ref']}",
+        f"out={out}",
+        "device=cpu",
+    )
     assert rc == 0, err
     report = json.loads(out.read_text())
     assert set(report["results"]) == {"fid_steps1", "fid_steps2", "label_acc_steps1", "label_acc_steps2"}
@@ -54,8 +63,19 @@ def test_evaluate_writes_grids_of_the_scored_images(run, evaluate_run, tmp_path)
     from PIL import Image
 
     out = tmp_path / "fid.json"
-    evaluate_run([f"ckpt={run['dir']}", "n=12", "steps=[1,2]", "batch_size=12", f"inception={run['inception']}",
-                  f"ref={run['ref']}", f"out={out}", "device=cpu", "grid=true"])
+    evaluate_run(
+        [
+            f"ckpt={run['dir']}",
+            "n=12",
+            "steps=[1,2]",
+            "batch_size=12",
+            f"inception={run['inception']}",
+            f"ref={run['ref']}",
+            f"out={out}",
+            "device=cpu",
+            "grid=true",
+        ]
+    )
     for k in (1, 2):
         grid = Image.open(tmp_path / f"fid-steps{k}.png")
         assert grid.size == (10 * 30 + 2, 2 * 30 + 2)  # 12 images, ten (labels 0-9) per row, 2-pixel gaps
@@ -65,8 +85,12 @@ def test_scores_do_not_depend_on_the_batch_size(run):
     bundle = checkpoint.load(checkpoint.find_checkpoint(str(run["dir"])))
     model, objective = load_generator(bundle)
     net = FeatureNet(net=StandIn().eval(), name="standin", size=32)
-    scores = [Evaluator(data=DataConfig(), shape=(1, 28, 28), num_classes=10, n=10, steps=[1], batch_size=b,
-                        features=net, ref=run["ref"])(model, objective) for b in (3, 10)]
+    scores = [
+        Evaluator(
+            data=DataConfig(), shape=(1, 28, 28), num_classes=10, n=10, steps=[1], batch_size=b, features=net, ref=run["ref"]
+        )(model, objective)
+        for b in (3, 10)
+    ]
     assert scores[0]["fid_steps1"] == pytest.approx(scores[1]["fid_steps1"], rel=1e-5)
     assert scores[0]["label_acc_steps1"] == scores[1]["label_acc_steps1"]
 
@@ -118,21 +142,19 @@ def test_bad_input_exits_with_one_error_line(run, tmp_path):
 
 def test_two_processes_score_as_one(run, tmp_path):
     """Under torchrun the ranks split the images and gather the features: the same numbers as one process."""
-    import os
-    import subprocess
-    import sys
 
-    from .conftest import ROOT
-
-    args = [f"ckpt={run['dir']}", "n=9", "steps=[1,2]", "batch_size=2", "device=cpu",
-            f"inception={run['inception']}", f"ref={run['ref']}"]
+    args = [
+        f"ckpt={run['dir']}",
+        "n=9",
+        "steps=[1,2]",
+        "batch_size=2",
+        "device=cpu",
+        f"inception={run['inception']}",
+        f"ref={run['ref']}",
+    ]
     rc, _, err = run_script("evaluate", *args, f"out={tmp_path / 'one.json'}")
     assert rc == 0, err
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(ROOT / "evaluate.py"), *args, f"out={tmp_path / 'two.json'}"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    torchrun(ROOT / "evaluate.py", *args, f"out={tmp_path / 'two.json'}")
     one, two = (json.loads((tmp_path / f"{k}.json").read_text())["results"] for k in ("one", "two"))
     assert one.keys() == two.keys()
     for k in one:
@@ -147,9 +169,18 @@ def test_in_loop_evaluation_is_logged(run, train_run, tmp_path):
     net = fid.load_inception(run["inception"])
     digits = shipped_mnist().images[:300].float() / 127.5 - 1
     stats_of(features(digits, net), dataset="mnist", split="test", resolution=28, network=net.name).save(
-        str(tmp_path / "cache" / stats_key("mnist", "test", 28, f"inception-{file_hash(run['inception'])}")))
-    train_run(tmp_path / "loop", ["trainer.eval_every=2", "trainer.eval_n=6", "trainer.eval_steps=[1,2]",
-                                  f"trainer.eval_inception={run['inception']}", f"trainer.eval_cache={tmp_path / 'cache'}"])
+        str(tmp_path / "cache" / stats_key("mnist", "test", 28, f"inception-{file_hash(run['inception'])}"))
+    )
+    train_run(
+        tmp_path / "loop",
+        [
+            "trainer.eval_every=2",
+            "trainer.eval_n=6",
+            "trainer.eval_steps=[1,2]",
+            f"trainer.eval_inception={run['inception']}",
+            f"trainer.eval_cache={tmp_path / 'cache'}",
+        ],
+    )
     rows = [json.loads(line) for line in (tmp_path / "loop" / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in rows if "fid_steps1" in r]
     assert [r["step"] for r in evals] == [2, 4]

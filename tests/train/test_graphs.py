@@ -36,7 +36,10 @@ def test_graph_replay_matches_the_eager_step(objective_name, mode):
 
     graphed = GraphedStep(loss_and_backward, params)
     g = torch.Generator("cuda").manual_seed(0)
-    batch = lambda: (torch.randn(8, 4, 16, 16, device="cuda", generator=g), torch.randint(0, 10, (8,), device="cuda", generator=g))  # noqa: E731
+
+    def batch():
+        return torch.randn(8, 4, 16, 16, device="cuda", generator=g), torch.randint(0, 10, (8,), device="cuda", generator=g)
+
     graphed(*batch())  # captures (its warm-up calls draw from the global RNG too)
     for _ in range(2):
         x, y = batch()
@@ -90,7 +93,13 @@ def test_the_loop_refuses_what_a_graph_cannot_capture(tmp_path, train_run, overr
 @pytest.mark.parametrize("objective", ["meanflow", "scm"])
 def test_a_graphed_run_follows_the_eager_run(tmp_path, train_run, objective):
     # sCM: the step (its tangent warm-up over 2 steps) enters the graph as a tensor
-    common = [f"objective={objective}", "attention=triton_jvp", "trainer.device=cuda", "trainer.max_steps=6", "trainer.log_every=1"]
+    common = [
+        f"objective={objective}",
+        "attention=triton_jvp",
+        "trainer.device=cuda",
+        "trainer.max_steps=6",
+        "trainer.log_every=1",
+    ]
     if objective == "scm":
         common.append("objective.warmup_steps=2")
     train_run(tmp_path / "eager", common)

@@ -23,9 +23,17 @@ def tiny_vae(seed: int = 0):
     from diffusers import AutoencoderKL
 
     torch.manual_seed(seed)
-    return AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
-                         up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(8, 16), layers_per_block=1,
-                         latent_channels=4, norm_num_groups=4, sample_size=RES).eval()
+    return AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2,
+        block_out_channels=(8, 16),
+        layers_per_block=1,
+        latent_channels=4,
+        norm_num_groups=4,
+        sample_size=RES,
+    ).eval()
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +49,17 @@ def world(tmp_path_factory):
         (root / "images" / c).mkdir(parents=True)
         for i in range(8):
             Image.fromarray(g.integers(0, 256, (20, 24, 3), dtype=np.uint8)).save(root / "images" / c / f"{i}.png")
-    rc, out, err = run_script("prepare_latents", "data=imagefolder", f"data.root={root / 'images'}", f"data.resolution={RES}",
-                              f"vae={root / 'vae'}", f"out={root / 'lat'}", "shard_size=6", "batch_size=5", "device=cpu")
+    rc, out, err = run_script(
+        "prepare_latents",
+        "data=imagefolder",
+        f"data.root={root / 'images'}",
+        f"data.resolution={RES}",
+        f"vae={root / 'vae'}",
+        f"out={root / 'lat'}",
+        "shard_size=6",
+        "batch_size=5",
+        "device=cpu",
+    )
     assert rc == 0, err
     run = root / "run"
     load_entry("train").run(_cfg(["data=latents", f"data.root={root / 'lat'}", "trainer.ema_sigma_rels=[0.1]"]), str(run))
@@ -102,8 +119,14 @@ def test_a_latent_run_records_its_vae_and_decodes_its_grid(world):
 
 
 def test_a_latent_run_resumes_bit_exactly(world, tmp_path, train_run):
-    common = ["data=latents", f"data.root={world['lat']}", "trainer.ckpt_every=2", "trainer.keep_last=0",
-              "trainer.ema_sigma_rels=[0.1]", "data.num_workers=0"]
+    common = [
+        "data=latents",
+        f"data.root={world['lat']}",
+        "trainer.ckpt_every=2",
+        "trainer.keep_last=0",
+        "trainer.ema_sigma_rels=[0.1]",
+        "data.num_workers=0",
+    ]
     train_run(tmp_path / "whole", common + ["trainer.max_steps=4"])
     train_run(tmp_path / "split", common + ["trainer.max_steps=2"])
     train_run(tmp_path / "split", common + ["trainer.max_steps=4", "trainer.resume=auto"])
@@ -114,8 +137,9 @@ def test_a_latent_run_resumes_bit_exactly(world, tmp_path, train_run):
 
 
 def test_sample_evaluate_export_and_load(world, tmp_path):
-    rc, out, err = run_script("sample", f"ckpt={world['run']}", "n=5", "batch_size=3", f"out={tmp_path / 's'}",
-                              "device=cpu", "ema=sigma_rel0.1")
+    rc, out, err = run_script(
+        "sample", f"ckpt={world['run']}", "n=5", "batch_size=3", f"out={tmp_path / 's'}", "device=cpu", "ema=sigma_rel0.1"
+    )
     assert rc == 0, err
     ckpt = np.load(tmp_path / "s.npz")
     assert ckpt["images"].shape == (5, RES, RES, 3) and ckpt["images"].dtype == np.uint8  # decoded images
@@ -125,23 +149,42 @@ def test_sample_evaluate_export_and_load(world, tmp_path):
     config = json.loads((tmp_path / "export" / "config.json").read_text())
     assert config["vae"] == str(world["root"] / "vae") and config["ema"] == "sigma_rel0.1"
     assert sorted(p.name for p in (tmp_path / "export").iterdir()) == ["config.json", "model.safetensors"]
-    rc, out, err = run_script("sample", f"ckpt={tmp_path / 'export'}", "n=5", "batch_size=5", f"out={tmp_path / 'e'}",
-                              "device=cpu")
+    rc, out, err = run_script(
+        "sample", f"ckpt={tmp_path / 'export'}", "n=5", "batch_size=5", f"out={tmp_path / 'e'}", "device=cpu"
+    )
     assert rc == 0, err
     assert np.array_equal(np.load(tmp_path / "e.npz")["images"], ckpt["images"])  # the same samples as the checkpoint
 
     for source in (world["run"], tmp_path / "export"):
         report = tmp_path / f"fid-{source.name}.json"
-        rc, out, err = run_script("evaluate", f"ckpt={source}", "n=6", "steps=1", "batch_size=4", "device=cpu",
-                                  f"inception={world['standin']}", f"fid_cache={tmp_path / 'cache'}", f"out={report}")
+        rc, out, err = run_script(
+            "evaluate",
+            f"ckpt={source}",
+            "n=6",
+            "steps=1",
+            "batch_size=4",
+            "device=cpu",
+            f"inception={world['standin']}",
+            f"fid_cache={tmp_path / 'cache'}",
+            f"out={report}",
+        )
         assert rc == 0, err
         results = json.loads(report.read_text())["results"]
         assert set(results) == {"fid_steps1"} and np.isfinite(results["fid_steps1"])
     # the same images, so the same score, from the checkpoint and from its export (sigma_rel0.1 in both)
     scores = [json.loads((tmp_path / f"fid-{n}.json").read_text())["results"]["fid_steps1"] for n in ("run", "export")]
-    rc, out, err = run_script("evaluate", f"ckpt={world['run']}", "n=6", "steps=1", "batch_size=4", "device=cpu",
-                              "ema=sigma_rel0.1", f"inception={world['standin']}", f"fid_cache={tmp_path / 'cache'}",
-                              f"out={tmp_path / 'fid-ema.json'}")
+    rc, out, err = run_script(
+        "evaluate",
+        f"ckpt={world['run']}",
+        "n=6",
+        "steps=1",
+        "batch_size=4",
+        "device=cpu",
+        "ema=sigma_rel0.1",
+        f"inception={world['standin']}",
+        f"fid_cache={tmp_path / 'cache'}",
+        f"out={tmp_path / 'fid-ema.json'}",
+    )
     assert rc == 0, err
     assert json.loads((tmp_path / "fid-ema.json").read_text())["results"]["fid_steps1"] == pytest.approx(scores[1])
 
@@ -150,20 +193,30 @@ def _one_line_error(rc, err, expected):
     assert rc == 1 and len(err.strip().splitlines()) == 1 and err.startswith("error: ") and expected in err, err
 
 
-@pytest.mark.parametrize("override,expected", [
-    ("data.resolution=32", "holds 16x16 images, but data.resolution=32"),
-    ("data.vae=OTHER", "was encoded with VAE"),
-])
+@pytest.mark.parametrize(
+    "override,expected",
+    [
+        ("data.resolution=32", "holds 16x16 images, but data.resolution=32"),
+        ("data.vae=OTHER", "was encoded with VAE"),
+    ],
+)
 def test_a_latent_folder_of_another_resolution_or_vae_is_refused(world, tmp_path, override, expected):
     override = override.replace("OTHER", str(world["root"] / "other_vae"))
-    rc, out, err = run_script("train", *TINY, "data=latents", f"data.root={world['lat']}", override,
-                              f"run_dir={tmp_path / 'run'}")
+    rc, out, err = run_script(
+        "train", *TINY, "data=latents", f"data.root={world['lat']}", override, f"run_dir={tmp_path / 'run'}"
+    )
     _one_line_error(rc, err, expected)
 
 
 def test_a_missing_vae_is_refused(world, tmp_path):
-    rc, out, err = run_script("prepare_latents", "data=imagefolder", f"data.root={world['root'] / 'images'}",
-                              f"vae={tmp_path / 'no_vae'}", f"out={tmp_path / 'lat'}", "device=cpu")
+    rc, out, err = run_script(
+        "prepare_latents",
+        "data=imagefolder",
+        f"data.root={world['root'] / 'images'}",
+        f"vae={tmp_path / 'no_vae'}",
+        f"out={tmp_path / 'lat'}",
+        "device=cpu",
+    )
     _one_line_error(rc, err, "does not exist")
     assert not (tmp_path / "lat").exists()
 
@@ -171,8 +224,9 @@ def test_a_missing_vae_is_refused(world, tmp_path):
 def test_adm_reference_statistics_of_another_resolution_are_refused(world, tmp_path):
     ref = tmp_path / "VIRTUAL_imagenet32_labeled.npz"  # ADM's layout: images beside mu and sigma
     np.savez(ref, arr_0=np.zeros((3, 32, 32, 3), np.uint8), mu=np.zeros(32), sigma=np.eye(32))
-    rc, out, err = run_script("evaluate", f"ckpt={world['run']}", "n=4", "device=cpu", f"ref={ref}",
-                              f"inception={world['standin']}")
+    rc, out, err = run_script(
+        "evaluate", f"ckpt={world['run']}", "n=4", "device=cpu", f"ref={ref}", f"inception={world['standin']}"
+    )
     _one_line_error(rc, err, "32x32")
     assert "needs" in err and "16x16" in err
 

@@ -40,8 +40,15 @@ def assert_same_state(a, b, path=""):
 
 def test_stop_and_resume_is_bit_exact(tmp_path, train_run):
     # sCM: trainable objective parameters and a step-dependent tangent warm-up; two EMAs; accumulation
-    common = ["objective=scm", "objective.warmup_steps=4", "trainer.ema_decays=[0.5,0.9]", "trainer.grad_accum=2",
-              "optim.warmup_steps=3", "trainer.ckpt_every=3", "trainer.keep_last=1"]
+    common = [
+        "objective=scm",
+        "objective.warmup_steps=4",
+        "trainer.ema_decays=[0.5,0.9]",
+        "trainer.grad_accum=2",
+        "optim.warmup_steps=3",
+        "trainer.ckpt_every=3",
+        "trainer.keep_last=1",
+    ]
     train_run(tmp_path / "whole", common + ["trainer.max_steps=6"])
     train_run(tmp_path / "split", common + ["trainer.max_steps=3"])
     train_run(tmp_path / "split", common + ["trainer.max_steps=6", "trainer.resume=auto"])
@@ -69,8 +76,9 @@ def test_sampling_does_not_depend_on_batch_size(tmp_path, train_run, cfg_of, sam
     b = generate(model, objective, batch_size=3, **kwargs)
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
-    out = sample_entry.run(cfg_of("sample", [f"ckpt={tmp_path}", "n=8", "batch_size=3", "seed=5", "steps=2",
-                                             f"out={tmp_path / 'grid'}"]))
+    out = sample_entry.run(
+        cfg_of("sample", [f"ckpt={tmp_path}", "n=8", "batch_size=3", "seed=5", "steps=2", f"out={tmp_path / 'grid'}"])
+    )
     saved = __import__("numpy").load(out + ".npz")
     assert saved["images"].shape == (8, 28, 28, 1) and saved["seeds"].tolist() == list(range(5, 13))
     assert (tmp_path / "grid.png").is_file()
@@ -102,9 +110,15 @@ def train_flaky(tmp_path, cfg_of, nan_steps, extra=()):
     from .conftest import TINY
 
     cfg = cfg_of("train", TINY + ["objective=flow_matching", "trainer.log_every=1"] + list(extra))
-    return train(run_dir=str(tmp_path), model=instantiate(cfg.model),
-                 objective=FlakyObjective(instantiate(cfg.objective), nan_steps), data=instantiate(cfg.data),
-                 optim=instantiate(cfg.optim), trainer=instantiate(cfg.trainer), logger=instantiate(cfg.logger))
+    return train(
+        run_dir=str(tmp_path),
+        model=instantiate(cfg.model),
+        objective=FlakyObjective(instantiate(cfg.objective), nan_steps),
+        data=instantiate(cfg.data),
+        optim=instantiate(cfg.optim),
+        trainer=instantiate(cfg.trainer),
+        logger=instantiate(cfg.logger),
+    )
 
 
 def test_nonfinite_step_is_skipped(tmp_path, cfg_of, caplog):

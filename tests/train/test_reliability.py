@@ -47,8 +47,9 @@ def test_crafted_checkpoint_runs_no_code_on_resume(tmp_path, train_run):
 
 
 def test_stored_objective_is_rebuilt_from_its_name():
-    objective = objective_from_config({"_target_": "flm.objectives.build_objective", "name": "flow_matching",
-                                       "sampler": "heun"}, where="ckpt.pt")
+    objective = objective_from_config(
+        {"_target_": "flm.objectives.build_objective", "name": "flow_matching", "sampler": "heun"}, where="ckpt.pt"
+    )
     assert type(objective).__name__ == "FlowMatching"
     with pytest.raises(ValueError, match=r"objective._target_='builtins.eval' is not allowed"):
         objective_from_config({"_target_": "builtins.eval", "name": "meanflow"}, where="ckpt.pt")
@@ -100,8 +101,11 @@ def test_a_resume_trains_with_the_new_learning_rate(tmp_path, train_run):
 
 def test_an_overflowing_update_is_never_saved(tmp_path, train_run):
     train_run(tmp_path, ["trainer.max_steps=2", "optim.warmup_steps=0"])
-    msg = error_of(train_run, tmp_path, ["trainer.resume=auto", "trainer.max_steps=6", "optim.lr=1e39",
-                                         "optim.warmup_steps=0", "trainer.ckpt_every=1"])
+    msg = error_of(
+        train_run,
+        tmp_path,
+        ["trainer.resume=auto", "trainer.max_steps=6", "optim.lr=1e39", "optim.warmup_steps=0", "trainer.ckpt_every=1"],
+    )
     assert "the weights are not finite after step 3" in msg and "ckpt-00000002.pt" in msg and "optim.lr" in msg
     latest = checkpoint.load(checkpoint.find_checkpoint(str(tmp_path)))
     assert latest["step"] == 2 and all(t.isfinite().all() for t in latest["model"].values())
@@ -178,8 +182,11 @@ def test_a_corrupt_image_is_refused_at_startup(tmp_path, train_run):
     for i in range(8):
         Image.new("RGB", (8, 8), (i * 30, 0, 0)).save(tmp_path / "images" / "cat" / f"{i}.png")
     (tmp_path / "images" / "cat" / "bad.png").write_bytes(b"not an image")
-    msg = error_of(train_run, tmp_path / "run", ["data=imagefolder", f"data.root={tmp_path / 'images'}",
-                                                 "data.resolution=8", "data.num_workers=0"])
+    msg = error_of(
+        train_run,
+        tmp_path / "run",
+        ["data=imagefolder", f"data.root={tmp_path / 'images'}", "data.resolution=8", "data.num_workers=0"],
+    )
     assert "1 unreadable image file(s)" in msg and "bad.png (UnidentifiedImageError)" in msg
 
 
@@ -196,25 +203,31 @@ def test_resuming_past_max_steps_is_refused(tmp_path, train_run):
     assert "is at step 3, and trainer.max_steps=2: nothing to train" in msg
 
 
-@pytest.mark.parametrize("override,expected", [
-    ("trainer.batch_size=abc", "trainer.batch_size must be an integer, e.g. 8; got 'abc'"),
-    ("trainer.batch_size=8.0", "trainer.batch_size must be an integer, e.g. 8; got 8.0"),
-    ("trainer.max_steps=2.5", "trainer.max_steps must be an integer, e.g. 8; got 2.5"),
-    ("trainer.ema_decays=0.5", "trainer.ema_decays must be a list, got 0.5; e.g. trainer.ema_decays=[0.5]"),
-    ("+trainer.max_step=5", "trainer.max_step is not an option of trainer"),
-    ("+objective.t_men=0", "objective.t_men is not an option of objective"),
-    ("optim.lr=abc", "optim.lr must be a number, e.g. 0.5; got 'abc'"),
-    ("data=imagefolder", "data.root is not set; pass data.root=<value>"),
-])
+@pytest.mark.parametrize(
+    "override,expected",
+    [
+        ("trainer.batch_size=abc", "trainer.batch_size must be an integer, e.g. 8; got 'abc'"),
+        ("trainer.batch_size=8.0", "trainer.batch_size must be an integer, e.g. 8; got 8.0"),
+        ("trainer.max_steps=2.5", "trainer.max_steps must be an integer, e.g. 8; got 2.5"),
+        ("trainer.ema_decays=0.5", "trainer.ema_decays must be a list, got 0.5; e.g. trainer.ema_decays=[0.5]"),
+        ("+trainer.max_step=5", "trainer.max_step is not an option of trainer"),
+        ("+objective.t_men=0", "objective.t_men is not an option of objective"),
+        ("optim.lr=abc", "optim.lr must be a number, e.g. 0.5; got 'abc'"),
+        ("data=imagefolder", "data.root is not set; pass data.root=<value>"),
+    ],
+)
 def test_wrong_types_name_their_key(tmp_path, train_run, override, expected):
     assert expected in error_of(train_run, tmp_path / "run", [override])
 
 
-@pytest.mark.parametrize("override,expected", [
-    ("n=abc", "n must be an integer, e.g. 8; got 'abc'"),
-    ("label=abc", "label must be an integer, e.g. 8; got 'abc'"),
-    ("cfg_scale=x", "cfg_scale must be a number"),
-])
+@pytest.mark.parametrize(
+    "override,expected",
+    [
+        ("n=abc", "n must be an integer, e.g. 8; got 'abc'"),
+        ("label=abc", "label must be an integer, e.g. 8; got 'abc'"),
+        ("cfg_scale=x", "cfg_scale must be a number"),
+    ],
+)
 def test_sample_wrong_types_name_their_key(tmp_path, cfg_of, sample_entry, override, expected):
     assert expected in error_of(sample_entry.run, cfg_of("sample", [f"ckpt={tmp_path}", override]))
 
@@ -245,7 +258,7 @@ def test_flipped_bytes_in_a_checkpoint_are_caught(tmp_path, train_run):
     path = checkpoint.find_checkpoint(str(tmp_path))
     largest = max(zipfile.ZipFile(path).infolist(), key=lambda zi: zi.file_size)
     data = bytearray(open(path, "rb").read())
-    name_len, extra_len = struct.unpack("<HH", data[largest.header_offset + 26: largest.header_offset + 30])
+    name_len, extra_len = struct.unpack("<HH", data[largest.header_offset + 26 : largest.header_offset + 30])
     at = largest.header_offset + 30 + name_len + extra_len + largest.file_size // 2
     data[at] ^= 0xFF
     open(path, "wb").write(bytes(data))
@@ -276,9 +289,12 @@ def test_a_stalled_rank_ends_the_run_after_the_collective_timeout(tmp_path):
     script = tmp_path / "stall.py"
     script.write_text(STALL)
     t = time.time()
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(script), "3"], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "OMP_NUM_THREADS": "1",
-                               "PYTHONPATH": str(script.parents[0]) + os.pathsep + os.getcwd()})
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script), "3"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(script.parents[0]) + os.pathsep + os.getcwd()},
+    )
     assert proc.returncode != 0 and "rank 0 stopped after" in proc.stdout, proc.stdout + proc.stderr
     assert time.time() - t < 60

@@ -12,8 +12,21 @@ from .conftest import TINY
 from .test_loop import assert_same_state
 
 # what the checkpoints of format 1 hold (written since the run-folder lock and the loss window)
-FORMAT_1 = {"format", "model", "ema", "optimizer", "scheduler", "objective", "step", "rng", "data", "nonfinite",
-            "log_window", "model_args", "config"}
+FORMAT_1 = {
+    "format",
+    "model",
+    "ema",
+    "optimizer",
+    "scheduler",
+    "objective",
+    "step",
+    "rng",
+    "data",
+    "nonfinite",
+    "log_window",
+    "model_args",
+    "config",
+}
 
 
 def test_a_checkpoint_holds_format_1s_parts(tmp_path, train_run):
@@ -45,11 +58,27 @@ def train_distill(run_dir, cfg_of, overrides):
 
     from flm.train import train
 
-    cfg = cfg_of("train", TINY + ["objective=flow_matching", "trainer.log_every=1", "optim.warmup_steps=0",
-                                  "trainer.ckpt_every=2", "trainer.keep_last=0", *overrides])
-    return train(run_dir=str(run_dir), model=instantiate(cfg.model), objective=ToyDistill(fake_lr=1e-5),
-                 data=instantiate(cfg.data), optim=instantiate(cfg.optim), trainer=instantiate(cfg.trainer),
-                 logger=instantiate(cfg.logger))
+    cfg = cfg_of(
+        "train",
+        TINY
+        + [
+            "objective=flow_matching",
+            "trainer.log_every=1",
+            "optim.warmup_steps=0",
+            "trainer.ckpt_every=2",
+            "trainer.keep_last=0",
+            *overrides,
+        ],
+    )
+    return train(
+        run_dir=str(run_dir),
+        model=instantiate(cfg.model),
+        objective=ToyDistill(fake_lr=1e-5),
+        data=instantiate(cfg.data),
+        optim=instantiate(cfg.optim),
+        trainer=instantiate(cfg.trainer),
+        logger=instantiate(cfg.logger),
+    )
 
 
 def test_an_objectives_networks_train_save_and_resume(tmp_path, cfg_of):

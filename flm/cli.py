@@ -65,7 +65,7 @@ def names_before(run_dir: str) -> set[str] | None:
 def remove_what_the_run_wrote(run_dir: str) -> None:
     """Undo a run that failed before writing anything of its own: remove the files Hydra added for it
     (.hydra/, the job's log), its lock file and the folder itself if the run created it. Anything else in the folder,
-    and every folder the run did not record (flm.train.cli.RecordRunFolder), stays as it is."""
+    and every folder the run did not record (flm.cli.RecordRunFolder), stays as it is."""
     run_dir = os.path.abspath(run_dir)
     try:
         before = names_before(run_dir)
@@ -114,6 +114,9 @@ def report_user_errors(run_dir: str | None = None, *, job: str | None = None):
 def exit_if_jobs_failed() -> None:
     """After a multirun: list the jobs that failed and exit 1, if any did."""
     if FAILED_JOBS:
-        print(f"error: {len(FAILED_JOBS)} job(s) failed:\n" + "\n".join(f"  {line}" for line in FAILED_JOBS),
-              file=sys.stderr, flush=True)
+        print(
+            f"error: {len(FAILED_JOBS)} job(s) failed:\n" + "\n".join(f"  {line}" for line in FAILED_JOBS),
+            file=sys.stderr,
+            flush=True,
+        )
         sys.exit(1)

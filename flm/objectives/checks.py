@@ -1,0 +1,13 @@
+"""Checks of objective options at construction, so a wrong value fails when the run starts, naming its option."""
+
+
+def check_std(name: str, std: float) -> None:
+    """A standard deviation: > 0."""
+    if not std > 0:
+        raise ValueError(f"{name} must be > 0, got {std!r}")
+
+
+def check_probability(name: str, p: float) -> None:
+    """A probability: in [0, 1]."""
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"{name} must be a probability in [0, 1], got {p!r}")
