@@ -18,6 +18,11 @@ A small MLP (`ToyNet`, the objectives' call model(x, t, r, y), the DiT's time em
     PYTHONPATH=. python benchmarks/toy.py --objective meanflow --steps 3000
     PYTHONPATH=. python benchmarks/toy.py --objective scm --steps 3000 --set warmup_steps=1000 --time-scale 1000
     PYTHONPATH=. python benchmarks/toy.py --objective flow_matching --steps 3000
+    PYTHONPATH=. python benchmarks/toy.py --objective scd --steps 3000     # distilled from the exact velocity
+
+sCD and rCM distil the exact marginal velocity of the linear path (`ExactTeacher`: the best teacher there
+is), so their 1-step map must converge to the exact flow map; their student and rCM's fake score start
+from the same fresh ToyNet (there are no teacher weights to start from).
 """
 
 import argparse
@@ -156,6 +161,19 @@ class ToyNet(nn.Module):
         return self.out(nn.functional.silu(h))
 
 
+class ExactTeacher(nn.Module):
+    """A flow-matching teacher whose velocity is the exact marginal one, called as a model(x, t, r, y)."""
+
+    num_classes = 0
+
+    def __init__(self, gmm: GMM):
+        super().__init__()
+        self.velocity = linear_velocity(gmm)
+
+    def forward(self, x, t, r=None, y=None):
+        return self.velocity(x, t.expand(x.shape[0]) if t.dim() == 0 else t).to(x.dtype)
+
+
 # --------------------------------------------------------------------------------------------
 # Scoring against the exact map
 # --------------------------------------------------------------------------------------------
@@ -225,22 +243,33 @@ def train(
     torch.manual_seed(seed)
     gmm = default_gmm(dim)
     objective_kwargs.setdefault("label_dropout", 0.0)  # unconditional toy
+    if objective_name in ("scd", "rcm"):
+        objective_kwargs.setdefault("teacher", "exact")  # a name only: ExactTeacher below is the teacher
     objective = build_objective(objective_name, **objective_kwargs)
     model = ToyNet(objective.time_inputs, time_scale, hidden, depth, dim)
     ema_model = copy.deepcopy(model).requires_grad_(False)
     opt = torch.optim.Adam(list(model.parameters()) + list(objective.parameters()), lr=lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, lr_warmup)))
+    networks, optimizers = {}, {"model": (model, opt)}  # distillation: the teacher, and rCM's fake score
+    for name, network in getattr(objective, "networks", {}).items():
+        networks[name] = copy.deepcopy(model) if network.trainable else ExactTeacher(gmm)
+        if network.trainable:
+            optimizers[name] = (networks[name], torch.optim.Adam(networks[name].parameters(), **{"lr": lr, **network.optim}))
     scorer = Scorer(objective, gmm, n=n_eval)
     data_gen = torch.Generator().manual_seed(seed + 1)
     history, t0 = [], time.perf_counter()
     for step in range(steps):
         x = gmm.sample(batch, generator=data_gen).float()
-        loss, _ = objective.loss(model, x, None, step=step)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
+        loss, _ = objective.loss(model, x, None, step=step, **networks)
+        losses = loss if isinstance(loss, dict) else {"model": loss}  # {network: its loss}
+        for name, value in losses.items():
+            net, net_opt = optimizers[name]
+            net_opt.zero_grad(set_to_none=True)
+            value.backward()
+            torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+            net_opt.step()
+        if "model" in losses:  # rCM's fake-score steps leave the student (and its warm-up) alone
+            sched.step()
         with torch.no_grad():
             for p_ema, p in zip(ema_model.parameters(), model.parameters()):
                 p_ema.lerp_(p, 1 - ema)
@@ -263,7 +292,7 @@ def _value(text: str):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--objective", default="meanflow", choices=["flow_matching", "meanflow", "scm"])
+    p.add_argument("--objective", default="meanflow", choices=["flow_matching", "meanflow", "scm", "scd", "rcm"])
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--lr", type=float, default=1e-3)

@@ -58,3 +58,13 @@ def test_meanflow_one_step_map_approaches_the_exact_map(one_thread):
     mf = train("meanflow", adaptive_p=0.0, **small)[-1]
     fm = train("flow_matching", **small)[-1]
     assert mf["err1"] < 0.3 and mf["err1"] < 0.3 * fm["err1"]
+
+
+@pytest.mark.parametrize("objective", ["scd", "rcm"])
+def test_distillation_from_the_exact_velocity_approaches_the_exact_map(objective, one_thread):
+    """sCD / rCM from the exact marginal velocity (benchmarks/toy.py's ExactTeacher): after a short run the
+    student's one-step map is far closer to the exact flow map than one Euler step of flow matching."""
+    small = dict(steps=300, eval_every=300, batch=128, hidden=64, n_eval=300, log=lambda _: None)
+    student = train(objective, warmup_steps=30, **small)[-1]
+    fm = train("flow_matching", **small)[-1]
+    assert student["err1"] < 0.3 and student["err1"] < 0.3 * fm["err1"]
