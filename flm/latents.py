@@ -14,6 +14,7 @@ hub id or a local folder, safetensors weights only.
 """
 
 import json
+import math
 import os
 from dataclasses import asdict, dataclass
 
@@ -77,6 +78,12 @@ class LatentInfo:
 
     def from_model(self, x: torch.Tensor) -> torch.Tensor:
         return x / self.scaling_factor + self.shift_factor
+
+    def rms(self) -> float:
+        """Root mean square of what training reads, (z - shift) * scaling_factor, from the channel statistics."""
+        k, c = self.scaling_factor, self.shift_factor
+        sq = [((m - c) * k) ** 2 + (d * k) ** 2 for m, d in zip(self.channel_mean, self.channel_std)]
+        return math.sqrt(sum(sq) / len(sq))
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -215,6 +215,22 @@ def open_data(data: DataConfig, trainer: TrainerConfig, micro_batch: int, device
     return RunData(dataset, loader, num_classes, reference, config, decoder)
 
 
+def data_scale_warning(objective, run: RunData) -> str | None:
+    """A warning when a TrigFlow objective's sigma_d (the data's scale, by its definition) is off the latents' RMS
+    by more than 2x: the proposal and the preconditioning would then be those of another noise scale."""
+    sigma_d = getattr(objective, "sigma_d", None)
+    if sigma_d is None or not isinstance(run.dataset, LatentFiles):
+        return None
+    rms = run.dataset.info.rms()
+    if 0.5 <= sigma_d / rms <= 2.0:
+        return None
+    return (
+        f"warning: objective.sigma_d={sigma_d:g}, but the latents' RMS is {rms:.3g} (the folder's meta.json); TrigFlow "
+        f"takes sigma_d as the data's scale: set objective.sigma_d={rms:.2g}, and add ln({rms:.2g} / {sigma_d:g}) to "
+        f"objective.p_mean and scale objective.sigma_max alike to keep the distribution of t"
+    )
+
+
 def banner(
     run_dir, state: TrainState, objective, dataset, trainer: TrainerConfig, device, dtype, micro_batch, resume_from
 ) -> str:
@@ -264,6 +280,8 @@ def train(
         input_size=dataset.resolution, in_channels=dataset.channels, num_classes=num_classes, time_inputs=objective.time_inputs
     )
     state = build_state(model_args, objective, optim, trainer, run.loader, device, config)
+    if warning := data_scale_warning(objective, run):
+        dist.info0(warning)
     if resume_from:
         state.load_state_dict(checkpoint.load(resume_from), source=resume_from)
         if state.step >= trainer.max_steps:

@@ -235,3 +235,28 @@ def test_export_of_a_run_without_ema_is_refused(tmp_path, train_run):
     train_run(tmp_path / "run", ["trainer.max_steps=1", "trainer.ema_decays=[]"])
     rc, out, err = run_script("export", f"ckpt={tmp_path / 'run'}", f"out={tmp_path / 'x'}")
     _one_line_error(rc, err, "keeps no EMA")
+
+
+def test_a_trigflow_sigma_d_off_the_latents_scale_is_warned_about(world, tmp_path, caplog):
+    import logging
+
+    from flm.latents import LatentInfo
+
+    info = LatentInfo.from_dict(json.loads((world["lat"] / "meta.json").read_text()), where="meta.json")
+    rms = info.rms()
+    files = LatentFiles(str(world["lat"]))
+    z, _ = files.__getitems__(list(range(2 * len(files))))  # every latent and its flip, as training reads them
+    assert rms == pytest.approx(z.square().mean().sqrt().item(), rel=1e-2)  # the statistics describe what training reads
+    with caplog.at_level(logging.INFO, logger="flm"):
+        load_entry("train").run(
+            _cfg(["data=latents", f"data.root={world['lat']}", "objective=scm", f"objective.sigma_d={20 * rms:g}"]),
+            str(tmp_path / "far"),
+        )
+    assert any("objective.sigma_d=" in r.message and "RMS" in r.message for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="flm"):
+        load_entry("train").run(
+            _cfg(["data=latents", f"data.root={world['lat']}", "objective=scm", f"objective.sigma_d={rms:g}"]),
+            str(tmp_path / "near"),
+        )
+    assert not any("RMS" in r.message for r in caplog.records)
