@@ -3,6 +3,7 @@ statistics, per step count, and the digit classifier's label accuracy on MNIST-l
 
     python evaluate.py ckpt=outputs/2025-01-01/12-00-00 n=10000 steps=1            # EMA weights
     python evaluate.py ckpt=RUN steps=[1,2] cfg_scale=1.5 weights=raw data.root=data
+    python evaluate.py ckpt=SCD_RUN steps=2 mid_t=[0.9]                               # sCM's 2-step time
     FLM_FID_INCEPTION=data/fid/inception-2015-12-05-fid.torchscript.pt python evaluate.py ckpt=RUN
     torchrun --standalone --nproc_per_node=8 evaluate.py ckpt=RUN n=50000           # ranks split the images
     python evaluate.py ckpt=LATENT_RUN n=50000 ref=VIRTUAL_imagenet256_labeled.npz   # ADM's reference batch
@@ -58,12 +59,14 @@ def run(cfg: DictConfig) -> dict:
     run_cfg = bundle["config"]
     device = dist.init(cfg.device)
     model, objective = load_generator(
-        bundle, weights=cfg.weights, ema_decay=cfg.ema_decay, ema=cfg.ema, attention=cfg.attention, device=device, source=path
+        bundle, weights=cfg.weights, ema_decay=cfg.ema_decay, ema=cfg.ema, attention=cfg.attention, device=device, source=path,
+        mid_t=cfg.mid_t,
     )
     steps = parse_steps(cfg.steps if cfg.steps is not None else sampler_steps(bundle, objective, path))
     args = bundle["model_args"]
     run_dir, stem = output_base(path)
-    out = cfg.out or os.path.join(run_dir, "eval", f"{stem}-{cfg.weights}-cfg{cfg.cfg_scale:g}-seed{cfg.seed}-n{n}.json")
+    mid = "" if cfg.mid_t is None else "-mid" + "_".join(f"{t:g}" for t in objective.mid_t)
+    out = cfg.out or os.path.join(run_dir, "eval", f"{stem}-{cfg.weights}-cfg{cfg.cfg_scale:g}{mid}-seed{cfg.seed}-n{n}.json")
     evaluator = Evaluator(
         data=run_data(run_cfg, cfg.data.root),
         shape=(args["in_channels"], args["input_size"], args["input_size"]),
@@ -93,6 +96,7 @@ def run(cfg: DictConfig) -> dict:
         "ema": cfg.ema,
         "n": n,
         "cfg_scale": cfg.cfg_scale,
+        "mid_t": list(objective.mid_t) if hasattr(objective, "mid_t") else None,
         "seed": cfg.seed,
         "reference": evaluator.reference.describe(),
         "reference_n": evaluator.reference.n,

@@ -2,6 +2,7 @@
 
     python sample.py ckpt=outputs/2025-01-01/12-00-00                # latest checkpoint of a run, EMA weights
     python sample.py ckpt=RUN steps=2 n=64 cfg_scale=1.5 seed=100
+    python sample.py ckpt=SCD_RUN steps=2 mid_t=[0.9]          # sCM's 2-step intermediate time
     python sample.py ckpt=RUN/checkpoints/ckpt-00001500.pt weights=raw label=3
     python sample.py ckpt=RUN ema=sigma_rel0.05                     # a power-function EMA, by name
     python sample.py ckpt=EXPORTED_FOLDER                           # export.py's folder (model.safetensors, config.json)
@@ -36,6 +37,7 @@ class SampleConfig:
     steps: int | None = None
     n: int = 64
     cfg_scale: float = 1.0
+    mid_t: list[float] | float | None = None
     label: int | None = None
     seed: int = 0
     batch_size: int = 64
@@ -62,7 +64,8 @@ def run(cfg: DictConfig) -> str:
     bundle, path = open_generator(cfg.ckpt)
     device = dist.init(cfg.device)
     model, objective = load_generator(
-        bundle, weights=cfg.weights, ema_decay=cfg.ema_decay, ema=cfg.ema, attention=cfg.attention, device=device, source=path
+        bundle, weights=cfg.weights, ema_decay=cfg.ema_decay, ema=cfg.ema, attention=cfg.attention, device=device, source=path,
+        mid_t=cfg.mid_t,
     )
     decoder = decoder_of(bundle.get("config"), device, path)
 
@@ -86,8 +89,9 @@ def run(cfg: DictConfig) -> str:
     )
 
     run_dir, stem = output_base(path)
+    mid = "" if cfg.mid_t is None else "-mid" + "_".join(f"{t:g}" for t in objective.mid_t)
     out = cfg.out or os.path.join(
-        run_dir, "samples", f"{stem}-{cfg.weights}-steps{steps}-cfg{cfg.cfg_scale:g}-seed{cfg.seed}-n{cfg.n}"
+        run_dir, "samples", f"{stem}-{cfg.weights}-steps{steps}-cfg{cfg.cfg_scale:g}{mid}-seed{cfg.seed}-n{cfg.n}"
     )
     save_grid(images, out + ".png", nrow=10 if num_classes == 10 else None)
     save_npz(out + ".npz", images, seeds, labels)

@@ -6,19 +6,39 @@ and its objective (the sampler). Nothing in a checkpoint names a callable that g
 """
 
 import os
+from collections.abc import Mapping
 
 import torch
 
 from flm.models import build_model
-from flm.objectives import Objective
+from flm.objectives import OBJECTIVES, SCM, Objective
 from flm.train.config import objective_from_config, plain
 from flm.train.ema import ema_key
 from flm.typed import typed
 
 
-def build_objective_from(bundle: dict, source: str = "the checkpoint") -> Objective:
-    """The run's objective from the registry (flm.train.config: names and plain values only), with its saved state."""
-    objective = objective_from_config((bundle.get("config") or {}).get("objective"), where=source)
+def with_mid_t(section, mid_t, source: str):
+    """The stored objective section with its few-step sampler's intermediate times replaced by `mid_t` (a
+    number or a list of them): sCM's and its distilled students' (sCD, rCM) 2-step time is a sampling choice."""
+    name = section.get("name") if isinstance(section, Mapping) else None
+    if not (name in OBJECTIVES and issubclass(OBJECTIVES[name], SCM)):
+        raise ValueError(
+            f"mid_t={mid_t} sets the intermediate times of TrigFlow consistency sampling (scm, scd, rcm), but "
+            f"{source} is a {name} run, whose sampler has none; leave mid_t=null"
+        )
+    values = list(mid_t) if isinstance(mid_t, (list, tuple)) else [mid_t]
+    if not values or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+        raise ValueError(f"mid_t must be a number or a list of numbers (TrigFlow times, e.g. [1.1]), got {mid_t!r}")
+    return {**section, "mid_t": [float(v) for v in values]}
+
+
+def build_objective_from(bundle: dict, source: str = "the checkpoint", mid_t=None) -> Objective:
+    """The run's objective from the registry (flm.train.config: names and plain values only), with its saved
+    state; `mid_t` (not None) replaces its few-step sampler's intermediate times (with_mid_t)."""
+    section = (bundle.get("config") or {}).get("objective")
+    if mid_t is not None:
+        section = with_mid_t(section, mid_t, source)
+    objective = objective_from_config(section, where=source)
     if bundle.get("objective"):
         objective.load_state_dict(bundle["objective"])
     return objective
@@ -68,10 +88,11 @@ def load_generator(
     attention: str = "auto",
     device="cpu",
     source: str = "the checkpoint",
+    mid_t=None,
 ) -> tuple[torch.nn.Module, Objective]:
     """(model, objective) on `device`, the model in eval mode with the `attention` backend (sampling
-    takes no JVP, and the run's training backend need not run on this machine)."""
-    objective = build_objective_from(bundle, source).to(device)
+    takes no JVP, and the run's training backend need not run on this machine); `mid_t` as build_objective_from's."""
+    objective = build_objective_from(bundle, source, mid_t).to(device)
     model = build_model(**{**plain(bundle["model_args"], f"{source}: model_args"), "attention": attention})
     model.load_state_dict(generator_state(bundle, weights, ema_decay, ema))
     return model.to(device).eval(), objective

@@ -105,6 +105,21 @@ def test_objective_is_rebuilt_from_names_only(run):
             build_objective_from(bundle)
 
 
+def test_mid_t_sets_the_two_step_time_of_trigflow_runs(run):
+    scm = {"config": {"objective": {"name": "scm", "sigma_d": 0.5, "mid_t": [1.1]}}}
+    assert build_objective_from(scm).sample_times(2)[1] == 1.1
+    for mid_t, times in ((0.8, [0.8]), ([0.9], [0.9]), ([1.2, 0.6], [1.2, 0.6])):
+        objective = build_objective_from(scm, mid_t=mid_t)
+        assert objective.mid_t == tuple(times) and objective.sample_times(len(times) + 1)[1:] == times
+    with pytest.raises(ValueError, match=r"mid_t values must lie in \(0, t_max"):
+        build_objective_from(scm, mid_t=[1.7])
+    with pytest.raises(ValueError, match="mid_t must be a number or a list of numbers"):
+        build_objective_from(scm, mid_t="late")
+    meanflow = checkpoint.load(checkpoint.find_checkpoint(str(run["dir"])))
+    with pytest.raises(ValueError, match="is a meanflow run, whose sampler has none; leave mid_t=null"):
+        build_objective_from(meanflow, mid_t=[1.1])
+
+
 @pytest.mark.parametrize("value", ["abc", 1, 0, -5, 2.5])
 def test_bad_n(value):
     with pytest.raises(ValueError, match="n must be an integer >= 2"):
