@@ -59,7 +59,13 @@ def run(cfg: DictConfig) -> dict:
     run_cfg = bundle["config"]
     device = dist.init(cfg.device)
     model, objective = load_generator(
-        bundle, weights=cfg.weights, ema_decay=cfg.ema_decay, ema=cfg.ema, attention=cfg.attention, device=device, source=path,
+        bundle,
+        weights=cfg.weights,
+        ema_decay=cfg.ema_decay,
+        ema=cfg.ema,
+        attention=cfg.attention,
+        device=device,
+        source=path,
         mid_t=cfg.mid_t,
     )
     steps = parse_steps(cfg.steps if cfg.steps is not None else sampler_steps(bundle, objective, path))

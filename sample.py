@@ -64,7 +64,13 @@ def run(cfg: DictConfig) -> str:
     bundle, path = open_generator(cfg.ckpt)
     device = dist.init(cfg.device)
     model, objective = load_generator(
-        bundle, weights=cfg.weights, ema_decay=cfg.ema_decay, ema=cfg.ema, attention=cfg.attention, device=device, source=path,
+        bundle,
+        weights=cfg.weights,
+        ema_decay=cfg.ema_decay,
+        ema=cfg.ema,
+        attention=cfg.attention,
+        device=device,
+        source=path,
         mid_t=cfg.mid_t,
     )
     decoder = decoder_of(bundle.get("config"), device, path)

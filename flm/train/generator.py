@@ -6,7 +6,7 @@ and its objective (the sampler). Nothing in a checkpoint names a callable that g
 """
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -26,7 +26,7 @@ def with_mid_t(section, mid_t, source: str):
             f"mid_t={mid_t} sets the intermediate times of TrigFlow consistency sampling (scm, scd, rcm), but "
             f"{source} is a {name} run, whose sampler has none; leave mid_t=null"
         )
-    values = list(mid_t) if isinstance(mid_t, (list, tuple)) else [mid_t]
+    values = list(mid_t) if isinstance(mid_t, Sequence) and not isinstance(mid_t, str) else [mid_t]
     if not values or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
         raise ValueError(f"mid_t must be a number or a list of numbers (TrigFlow times, e.g. [1.1]), got {mid_t!r}")
     return {**section, "mid_t": [float(v) for v in values]}

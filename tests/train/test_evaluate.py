@@ -5,6 +5,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from omegaconf import ListConfig
 
 from flm.data import DataConfig, shipped_mnist
 from flm.metrics.fid import FeatureNet, Stats
@@ -108,7 +109,7 @@ def test_objective_is_rebuilt_from_names_only(run):
 def test_mid_t_sets_the_two_step_time_of_trigflow_runs(run):
     scm = {"config": {"objective": {"name": "scm", "sigma_d": 0.5, "mid_t": [1.1]}}}
     assert build_objective_from(scm).sample_times(2)[1] == 1.1
-    for mid_t, times in ((0.8, [0.8]), ([0.9], [0.9]), ([1.2, 0.6], [1.2, 0.6])):
+    for mid_t, times in ((0.8, [0.8]), ([0.9], [0.9]), (ListConfig([1.0]), [1.0]), ([1.2, 0.6], [1.2, 0.6])):  # Hydra's list too
         objective = build_objective_from(scm, mid_t=mid_t)
         assert objective.mid_t == tuple(times) and objective.sample_times(len(times) + 1)[1:] == times
     with pytest.raises(ValueError, match=r"mid_t values must lie in \(0, t_max"):
