@@ -95,8 +95,10 @@ def report_user_errors(run_dir: str | None = None, *, job: str | None = None):
     job: the job's name in a multirun; its error is printed and kept in FAILED_JOBS instead of exiting,
     so the other jobs still run (the entry point exits 1 at the end: exit_if_jobs_failed).
     """
+    finished = False
     try:
         yield
+        finished = True
     except Exception as e:
         cause = user_error(e)
         if cause is None or os.environ.get("HYDRA_FULL_ERROR") == "1":
@@ -108,7 +110,7 @@ def report_user_errors(run_dir: str | None = None, *, job: str | None = None):
             sys.exit(1)
         FAILED_JOBS.append(f"{job}: {cause}")
     finally:
-        dist.close()
+        dist.close(synchronize=finished)
 
 
 def exit_if_jobs_failed() -> None:
