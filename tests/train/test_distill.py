@@ -110,6 +110,15 @@ def test_a_bad_teacher_is_one_error_line_and_nothing_written(tmp_path, teacher, 
     assert not run_dir.exists()
 
 
+@pytest.mark.parametrize("name", ["scd", "rcm", "meanflow_distill"])
+def test_a_distillation_without_a_teacher_is_one_error_line(tmp_path, name):
+    run_dir = tmp_path / "student"
+    rc, _, err = run_script("train", *TINY, f"objective={name}", f"run_dir={run_dir}")
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert rc != 0 and len(lines) == 1 and "objective.teacher is not set" in lines[0], err
+    assert not run_dir.exists()
+
+
 def test_a_teacher_of_another_channel_count_is_named():
     bundle = {
         "config": {"objective": {"name": "flow_matching"}},
