@@ -29,7 +29,7 @@ from flm.files import write_json
 from flm.latents import decoder_of, reference_source
 from flm.cli import report_user_errors
 from flm.train.evaluation import Evaluator, check_n, parse_steps
-from flm.train.generator import load_generator, open_generator, output_base, sampler_steps
+from flm.train.generator import load_generator, mid_t_tag, open_generator, output_base, sampler_steps
 from flm.train.settings import amp_dtype
 
 
@@ -71,7 +71,7 @@ def run(cfg: DictConfig) -> dict:
     steps = parse_steps(cfg.steps if cfg.steps is not None else sampler_steps(bundle, objective, path))
     args = bundle["model_args"]
     run_dir, stem = output_base(path)
-    mid = "" if cfg.mid_t is None else "-mid" + "_".join(f"{t:g}" for t in objective.mid_t)
+    mid = mid_t_tag(objective, cfg.mid_t)
     out = cfg.out or os.path.join(run_dir, "eval", f"{stem}-{cfg.weights}-cfg{cfg.cfg_scale:g}{mid}-seed{cfg.seed}-n{n}.json")
     evaluator = Evaluator(
         data=run_data(run_cfg, cfg.data.root),

@@ -23,7 +23,7 @@ from omegaconf import DictConfig
 from flm import dist
 from flm.latents import decoder_of
 from flm.cli import report_user_errors
-from flm.train.generator import load_generator, open_generator, output_base, sampler_steps
+from flm.train.generator import load_generator, mid_t_tag, open_generator, output_base, sampler_steps
 from flm.train.sampling import class_labels, generate, save_grid, save_npz
 from flm.train.settings import amp_dtype
 from flm.typed import check_fields
@@ -95,7 +95,7 @@ def run(cfg: DictConfig) -> str:
     )
 
     run_dir, stem = output_base(path)
-    mid = "" if cfg.mid_t is None else "-mid" + "_".join(f"{t:g}" for t in objective.mid_t)
+    mid = mid_t_tag(objective, cfg.mid_t)
     out = cfg.out or os.path.join(
         run_dir, "samples", f"{stem}-{cfg.weights}-steps{steps}-cfg{cfg.cfg_scale:g}{mid}-seed{cfg.seed}-n{cfg.n}"
     )

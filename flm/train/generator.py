@@ -32,6 +32,11 @@ def with_mid_t(section, mid_t, source: str):
     return {**section, "mid_t": [float(v) for v in values]}
 
 
+def mid_t_tag(objective, mid_t) -> str:
+    """The part of an output file name that says mid_t was set ("-mid0.8"); "" when it was not."""
+    return "" if mid_t is None else "-mid" + "_".join(f"{t:g}" for t in objective.mid_t)
+
+
 def build_objective_from(bundle: dict, source: str = "the checkpoint", mid_t=None) -> Objective:
     """The run's objective from the registry (flm.train.config: names and plain values only), with its saved
     state; `mid_t` (not None) replaces its few-step sampler's intermediate times (with_mid_t)."""

@@ -91,6 +91,13 @@ def test_a_student_samples_without_its_teachers_file(tmp_path, teacher, train_ru
     assert list((tmp_path / "student" / "samples").glob("ckpt-00000004-ema-steps2-*.png"))
 
 
+def test_a_students_two_step_time_is_a_sampling_option(tmp_path, teacher, train_run):
+    train_run(tmp_path / "student", ["objective=scd", f"objective.teacher={teacher / 'flow_matching'}"])
+    rc, out, err = run_script("sample", f"ckpt={tmp_path / 'student'}", "n=2", "steps=2", "mid_t=[0.8]", "device=cpu")
+    assert rc == 0, err
+    assert list((tmp_path / "student" / "samples").glob("ckpt-00000004-ema-steps2-cfg1-mid0.8-seed0-n2.png")), out
+
+
 @pytest.mark.parametrize(
     "override, message",
     [
