@@ -22,7 +22,12 @@ A small MLP (`ToyNet`, the objectives' call model(x, t, r, y), the DiT's time em
 
 sCD and rCM distil the exact marginal velocity of the linear path (`ExactTeacher`: the best teacher there
 is), so their 1-step map must converge to the exact flow map; their student and rCM's fake score start
-from the same fresh ToyNet (there are no teacher weights to start from).
+from the same fresh ToyNet (there are no teacher weights to start from). With `--teacher-steps N` a
+flow-matching ToyNet trained for N steps is the teacher instead, and the student starts from its weights,
+as a distillation in flm does:
+
+    PYTHONPATH=. python benchmarks/toy.py --objective meanflow --set teacher=exact --set tangent=sample \
+        --set r_neq_t=1.0 --teacher-steps 2000 --steps 1000          # objective=meanflow_distill's choices
 """
 
 import argparse
@@ -36,6 +41,7 @@ from torch import nn
 
 from flm.models.dit import TimestepEmbedder
 from flm.objectives import build_objective
+from flm.train.loop import start_from
 
 
 # --------------------------------------------------------------------------------------------
@@ -221,7 +227,12 @@ class Scorer:
 # --------------------------------------------------------------------------------------------
 
 
-def train(
+def train(objective_name: str, **kwargs) -> list[dict]:
+    """fit()'s history: the scores of the EMA model, every eval_every steps."""
+    return fit(objective_name, **kwargs)[0]
+
+
+def fit(
     objective_name: str,
     *,
     steps: int = 2000,
@@ -236,25 +247,42 @@ def train(
     seed: int = 0,
     dim: int = 2,
     n_eval: int = 1000,
+    teacher_steps: int = 0,
     log=print,
     **objective_kwargs,
-) -> list[dict]:
-    """Train ToyNet with an objective from flm.objectives; the EMA model is scored every eval_every steps."""
-    torch.manual_seed(seed)
+) -> tuple[list[dict], nn.Module]:
+    """Train ToyNet with an objective from flm.objectives; (the scores of the EMA model every eval_every
+    steps, the EMA model).
+
+    teacher_steps: 0 distils (sCD, rCM, MeanFlow with teacher=...) the exact velocity into a fresh student;
+    N > 0 first trains a flow-matching ToyNet for N steps, which is then the teacher and the student's (and
+    rCM's fake score's) initialisation, as a distillation in flm starts (flm.train.loop.start_from).
+    """
+    settings = dict(batch=batch, lr=lr, lr_warmup=lr_warmup, ema=ema, time_scale=time_scale, hidden=hidden, depth=depth)
     gmm = default_gmm(dim)
+    teacher = ExactTeacher(gmm)
+    if teacher_steps:
+        log(f"flow-matching teacher, {teacher_steps} steps:")
+        every = dict(eval_every=teacher_steps, seed=seed, dim=dim, n_eval=n_eval, teacher_steps=0, log=log)
+        teacher = fit("flow_matching", steps=teacher_steps, **settings, **every)[1]
+    torch.manual_seed(seed)
     objective_kwargs.setdefault("label_dropout", 0.0)  # unconditional toy
     if objective_name in ("scd", "rcm"):
-        objective_kwargs.setdefault("teacher", "exact")  # a name only: ExactTeacher below is the teacher
+        objective_kwargs.setdefault("teacher", "exact")  # a name only: `teacher` above is the teacher
     objective = build_objective(objective_name, **objective_kwargs)
     model = ToyNet(objective.time_inputs, time_scale, hidden, depth, dim)
+    networks = getattr(objective, "networks", {})
+    if teacher_steps and any(network.model_init for network in networks.values()):
+        start_from(model, teacher)
     ema_model = copy.deepcopy(model).requires_grad_(False)
     opt = torch.optim.Adam(list(model.parameters()) + list(objective.parameters()), lr=lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, lr_warmup)))
-    networks, optimizers = {}, {"model": (model, opt)}  # distillation: the teacher, and rCM's fake score
-    for name, network in getattr(objective, "networks", {}).items():
-        networks[name] = copy.deepcopy(model) if network.trainable else ExactTeacher(gmm)
+    nets, optimizers = {}, {"model": (model, opt)}  # distillation: the teacher, and rCM's fake score
+    for name, network in networks.items():
+        nets[name] = copy.deepcopy(model) if network.trainable else teacher
         if network.trainable:
-            optimizers[name] = (networks[name], torch.optim.Adam(networks[name].parameters(), **{"lr": lr, **network.optim}))
+            optimizers[name] = (nets[name], torch.optim.Adam(nets[name].parameters(), **{"lr": lr, **network.optim}))
+    networks = nets
     scorer = Scorer(objective, gmm, n=n_eval)
     data_gen = torch.Generator().manual_seed(seed + 1)
     history, t0 = [], time.perf_counter()
@@ -278,7 +306,7 @@ def train(
             history.append(row)
             log(json.dumps({k: (round(v, 5) if isinstance(v, float) else v) for k, v in row.items()}))
     history[-1]["ed_floor"] = scorer.ed_floor
-    return history
+    return history, ema_model
 
 
 def _value(text: str):
@@ -302,6 +330,9 @@ def main():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dim", type=int, default=2, help="data dimension (> 2: zero-mean padding coordinates)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="objective keyword argument")
+    p.add_argument(
+        "--teacher-steps", type=int, default=0, help="distillation: train a flow-matching teacher this long first (0: exact)"
+    )
     args = p.parse_args()
     torch.set_num_threads(1)
     kwargs = dict(kv.split("=", 1) for kv in args.set)
@@ -315,6 +346,7 @@ def main():
         eval_every=args.eval_every,
         seed=args.seed,
         dim=args.dim,
+        teacher_steps=args.teacher_steps,
         **{k: _value(v) for k, v in kwargs.items()},
     )
     print(f"energy-distance floor (two GMM samples): {history[-1]['ed_floor']:.5f}")

@@ -21,10 +21,11 @@ the two u's without gradient; samples whose label was dropped to the null class 
 
 Distillation (`teacher`, off by default): v is a frozen flow-matching teacher's velocity at (z_t, t),
 with its classifier-free guidance at teacher_cfg_scale (flm.objectives.teacher), in place of eps - x;
-the student starts from the teacher's weights (all but its embedding of t - r). The teacher's velocity is
-the exact dz_t/dt of the marginal flow, so `tangent="sample"` (v itself) is the right JVP tangent there, and
-r_neq_t=1.0 spends no loss on r = t, which the student satisfies from the start (configs/objective/
-meanflow_distill.yaml; on MNIST its 2-step FID is 1.31x the teacher's 50-step one, docs/quality.md).
+the student starts as its teacher (flm.train.loop.start_from: the output of its embedding of t - r at
+zero). The teacher's velocity is the exact dz_t/dt of the marginal flow, so `tangent="sample"` (v itself)
+is the right JVP tangent there, and r_neq_t=1.0 spends no loss on r = t, which the student satisfies
+from the start (configs/objective/meanflow_distill.yaml; on MNIST its 2-step FID is 1.31x the teacher's
+50-step one, docs/quality.md).
 
     from flm.objectives import MeanFlow
     mf = MeanFlow(jvp_mode="dual")          # build the model with time_inputs=mf.time_inputs (2)

@@ -65,10 +65,14 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 @torch.no_grad()
 def start_from(model: nn.Module, source: nn.Module) -> None:
-    """`source`'s weights into `model`: every tensor `model` has by that name (and shape); the model's
-    others keep their initialisation (a MeanFlow student's embedding of t - r)."""
-    unexpected = model.load_state_dict(source.state_dict(), strict=False).unexpected_keys
-    assert not unexpected, f"the model lacks {unexpected}"  # flm.objectives.teacher checked the architecture
+    """`source`'s weights into `model`: every tensor `model` has by that name (and shape). A MeanFlow student
+    of a flow-matching teacher has one more, its embedding of t - r: its output layer starts at zero, so the
+    student is its teacher exactly (u(z, r, t) = v(z, t) for every r) and learns the dependence on r."""
+    keys = model.load_state_dict(source.state_dict(), strict=False)
+    assert not keys.unexpected_keys, f"the model lacks {keys.unexpected_keys}"  # flm.objectives.teacher checked it
+    if any(k.startswith("dt_embedder.") for k in keys.missing_keys):
+        nn.init.zeros_(model.dt_embedder.fc2.weight)
+        nn.init.zeros_(model.dt_embedder.fc2.bias)
 
 
 def build_state(

@@ -9,9 +9,11 @@ from typing import ClassVar
 import pytest
 import torch
 
+from flm.models import build_model
 from flm.objectives import RCM
 from flm.objectives.teacher import check_teacher, load_teacher
 from flm.train import checkpoint
+from flm.train.loop import start_from
 
 from .conftest import ROOT, TINY, run_script, torchrun
 from .test_loop import assert_same_state
@@ -89,6 +91,21 @@ def test_a_student_samples_without_its_teachers_file(tmp_path, teacher, train_ru
     rc, _, err = run_script("sample", f"ckpt={tmp_path / 'student'}", "n=2", "steps=2", "device=cpu")
     assert rc == 0, err
     assert list((tmp_path / "student" / "samples").glob("ckpt-00000004-ema-steps2-*.png"))
+
+
+def test_a_meanflow_student_starts_as_its_teacher_at_every_r():
+    args = dict(input_size=8, in_channels=1, num_classes=10, attention="math")
+    teacher = build_model("DiT-T/4", **args).eval()
+    with torch.no_grad():  # a trained teacher: DiT's zero-initialised adaLN and output would hide any difference
+        for p in teacher.parameters():
+            p.normal_(std=0.1)
+    student = build_model("DiT-T/4", time_inputs=2, **args).eval()
+    start_from(student, teacher)
+    x, t, y = torch.randn(3, 1, 8, 8), torch.rand(3), torch.tensor([1, 5, 10])
+    with torch.no_grad():
+        v = teacher(x, t, None, y)
+        for r in (t, t * 0.5, torch.zeros(3)):
+            torch.testing.assert_close(student(x, t, r, y), v)
 
 
 def test_a_students_two_step_time_is_a_sampling_option(tmp_path, teacher, train_run):
