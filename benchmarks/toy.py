@@ -271,18 +271,17 @@ def fit(
         objective_kwargs.setdefault("teacher", "exact")  # a name only: `teacher` above is the teacher
     objective = build_objective(objective_name, **objective_kwargs)
     model = ToyNet(objective.time_inputs, time_scale, hidden, depth, dim)
-    networks = getattr(objective, "networks", {})
-    if teacher_steps and any(network.model_init for network in networks.values()):
+    declared = getattr(objective, "networks", {})  # distillation: the teacher, and rCM's fake score
+    if teacher_steps and any(network.model_init for network in declared.values()):
         start_from(model, teacher)
     ema_model = copy.deepcopy(model).requires_grad_(False)
     opt = torch.optim.Adam(list(model.parameters()) + list(objective.parameters()), lr=lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, lr_warmup)))
-    nets, optimizers = {}, {"model": (model, opt)}  # distillation: the teacher, and rCM's fake score
-    for name, network in networks.items():
-        nets[name] = copy.deepcopy(model) if network.trainable else teacher
+    networks, optimizers = {}, {"model": (model, opt)}
+    for name, network in declared.items():
+        networks[name] = copy.deepcopy(model) if network.trainable else teacher
         if network.trainable:
-            optimizers[name] = (nets[name], torch.optim.Adam(nets[name].parameters(), **{"lr": lr, **network.optim}))
-    networks = nets
+            optimizers[name] = (networks[name], torch.optim.Adam(networks[name].parameters(), **{"lr": lr, **network.optim}))
     scorer = Scorer(objective, gmm, n=n_eval)
     data_gen = torch.Generator().manual_seed(seed + 1)
     history, t0 = [], time.perf_counter()
