@@ -3,7 +3,7 @@ statistics, per step count, and the digit classifier's label accuracy on MNIST-l
 
     python evaluate.py ckpt=outputs/2025-01-01/12-00-00 n=10000 steps=1            # EMA weights
     python evaluate.py ckpt=RUN steps=[1,2] cfg_scale=1.5 weights=raw data.root=data
-    python evaluate.py ckpt=SCD_RUN steps=2 mid_t=[0.9]                               # sCM's 2-step time
+    python evaluate.py ckpt=SCD_RUN steps=2 mid_t=[0.9]                               # sCM's 2-step time (MeanFlow: mid_t=[0.6])
     FLM_FID_INCEPTION=data/fid/inception-2015-12-05-fid.torchscript.pt python evaluate.py ckpt=RUN
     torchrun --standalone --nproc_per_node=8 evaluate.py ckpt=RUN n=50000           # ranks split the images
     python evaluate.py ckpt=LATENT_RUN n=50000 ref=VIRTUAL_imagenet256_labeled.npz   # ADM's reference batch

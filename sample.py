@@ -2,7 +2,7 @@
 
     python sample.py ckpt=outputs/2025-01-01/12-00-00                # latest checkpoint of a run, EMA weights
     python sample.py ckpt=RUN steps=2 n=64 cfg_scale=1.5 seed=100
-    python sample.py ckpt=SCD_RUN steps=2 mid_t=[0.9]          # sCM's 2-step intermediate time
+    python sample.py ckpt=SCD_RUN steps=2 mid_t=[0.9]          # sCM's 2-step intermediate time (MeanFlow: mid_t=[0.6])
     python sample.py ckpt=RUN/checkpoints/ckpt-00001500.pt weights=raw label=3
     python sample.py ckpt=RUN ema=sigma_rel0.05                     # a power-function EMA, by name
     python sample.py ckpt=EXPORTED_FOLDER                           # export.py's folder (model.safetensors, config.json)

@@ -13,8 +13,8 @@ issuing out of the step time: eager DiT-B steps are host-bound (see the host ms 
 sCD's step is the teacher's forward (no gradient, bf16) + the student's JVP + backward; its teacher is a
 randomly initialised DiT of the student's size (the cost does not depend on the weights). An rCM row is
 one cycle of its alternation: a fake-score step (student sample + fake-score flow-matching step) plus a
-student step (sCD + the DMD term's teacher and fake-score forwards); it runs eager only (its two
-steps are different graphs).
+student step (sCD + the DMD term's teacher and fake-score forwards); under `--exec graph` each of the
+two is its own CUDA graph, as in the loop.
 
     PYTHONPATH=. python benchmarks/train_step.py                                    # full table (H200)
     PYTHONPATH=. python benchmarks/train_step.py --models DiT-B/2 --tokens 1024,4096 --backends triton_jvp
@@ -27,6 +27,7 @@ steps are different graphs).
 
 import argparse
 import copy
+import functools
 import gc
 import math
 import os
@@ -111,24 +112,28 @@ def measure(model_name, tokens, objective_name, backend, mode, execution, args, 
         if network.trainable:
             params = params + list(networks[name].parameters())
             opts.append(torch.optim.AdamW(networks[name].parameters(), lr=1e-4, fused=fused))
-    cycle = objective.fake_updates + 1 if hasattr(objective, "updates_fake_score") else 1  # rCM: fake, then student
+    # rCM: one cycle of its alternation (fake-score steps, then a student step), each phase its own graph
+    phases = [objective.phase(k) for k in range(objective.fake_updates + 1)] if hasattr(objective, "phase") else [None]
     g = torch.Generator(device).manual_seed(0)
     x = torch.randn(batch, args.channels, side, side, device=device, generator=g)
     y = torch.randint(0, args.num_classes, (batch,), device=device, generator=g)
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
 
-    def loss_and_backward(x, y, phase=0):
+    def loss_and_backward(x, y, phase=None):
         with autocast:
-            loss, metrics = objective.loss(model, x, y, step=10**6 * cycle + phase, **networks)  # past the warm-up
+            phase_arg = {} if phase is None else {"phase": phase}
+            loss, metrics = objective.loss(model, x, y, step=10**6, **phase_arg, **networks)  # past the warm-up
         loss = sum(loss.values()) if isinstance(loss, dict) else loss  # {network: loss}: each touches its own
         loss.backward()
         return loss, metrics
 
-    forward_backward = GraphedStep(loss_and_backward, params) if execution == "graph" else loss_and_backward
+    forward_backward = {phase: functools.partial(loss_and_backward, phase=phase) for phase in phases}
+    if execution == "graph":
+        forward_backward = {phase: GraphedStep(fn, params) for phase, fn in forward_backward.items()}
 
     def step(i):
-        for phase in range(cycle):
-            forward_backward(x, y, phase) if cycle > 1 else forward_backward(x, y)
+        for phase in phases:
+            forward_backward[phase](x, y)
             for opt in opts:
                 opt.step()
                 opt.zero_grad(set_to_none=True)
@@ -174,8 +179,6 @@ def rows_to_run(args):
                 for backend in args.backends:
                     for objective in args.objectives:
                         for mode in args.modes if objective in JVP_OBJECTIVES else ["-"]:
-                            if objective == "rcm" and execution == "graph":
-                                continue  # its alternating steps are two different graphs
                             yield model_name, tokens, objective, backend, mode, execution
 
 

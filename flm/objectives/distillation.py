@@ -27,7 +27,7 @@ x_g = f(sigma_d eps, t_max):
 
 and a fake-score network (also the teacher at the start) trained online by flow matching on sg(x_g):
 ||v_fake(x_s, s) - (eps' - x_g)||^2. The two alternate: `fake_updates` fake-score steps, then one
-student step (the loss returns {"fake_score": ...} or {"model": ...}, flm.objectives.protocol). The
+student step (`phase`; the loss returns {"fake_score": ...} or {"model": ...}, flm.objectives.protocol). The
 fake score has its own optimizer (fake_lr) and is saved in the checkpoint; the teacher is not.
 
     from flm.objectives import SCD, RCM
@@ -135,9 +135,9 @@ class RCM(SCD):
             "fake_score": Network(build=build, trainable=True, optim={"lr": fake_lr}),
         }
 
-    def updates_fake_score(self, step) -> bool:
-        """fake_updates fake-score steps, then a student step, and again."""
-        return int(step) % (self.fake_updates + 1) < self.fake_updates
+    def phase(self, step: int) -> str:
+        """The network step `step` updates: fake_updates fake-score steps, then a student step, and again."""
+        return "fake_score" if int(step) % (self.fake_updates + 1) < self.fake_updates else "model"
 
     def generate(self, model, x, y):
         """The student's one-step samples x_g = f(sigma_d eps, t_max), with the model's gradient."""
@@ -148,8 +148,8 @@ class RCM(SCD):
         s = logit_normal(x_g.shape[0], self.dmd_t_mean, self.dmd_t_std, device=x_g.device)
         return LinearPath().sample(x_g, torch.randn_like(x_g), s)
 
-    def loss(self, model, x, y=None, *, step=0, teacher, fake_score):
-        if self.updates_fake_score(step):
+    def loss(self, model, x, y=None, *, step=0, phase=None, teacher, fake_score):
+        if (phase or self.phase(step)) == "fake_score":
             with torch.no_grad():
                 x_g = self.generate(model, x, y)
             p = self.noised(x_g)

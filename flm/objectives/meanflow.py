@@ -65,6 +65,8 @@ class MeanFlow(nn.Module):
         teacher_cfg_scale: the teacher's classifier-free guidance (1.0: none).
         cfg_interval: [t_min, t_max]: guidance in training and the sampler's guidance only for t in it
             (flm.objectives.guidance); null: at every t.
+        mid_t: intermediate times of few-step sampling, decreasing in (0, 1), used when steps == len(mid_t) + 1
+            (e.g. (0.6,) for 2 steps); other step counts, and () (the default), space the jumps uniformly.
 
     No parameters or state.
     """
@@ -89,9 +91,14 @@ class MeanFlow(nn.Module):
         teacher: str | None = None,
         teacher_cfg_scale: float = 1.0,
         cfg_interval: tuple[float, float] | None = None,
+        mid_t: tuple[float, ...] = (),
     ):
         super().__init__()
         check_std("t_std", t_std)
+        mid_t = tuple(float(t) for t in mid_t)
+        if any(not 0 < t < 1 for t in mid_t) or any(a <= b for a, b in zip(mid_t, mid_t[1:])):
+            raise ValueError(f"mid_t must be decreasing times in (0, 1) (1 is noise), got {mid_t}")
+        self.mid_t = mid_t
         check_probability("r_neq_t", r_neq_t)
         check_probability("label_dropout", label_dropout)
         if adaptive_p < 0 or adaptive_c <= 0:
@@ -170,13 +177,16 @@ class MeanFlow(nn.Module):
 
     @torch.no_grad()
     def sample(self, model, noise, y=None, *, steps: int, cfg_scale: float = 1.0, generators=None):
-        """z_r = z_t - (t - r) u(z_t, r, t) from t = 1 to 0 in `steps` uniform jumps (eq. 12).
+        """z_r = z_t - (t - r) u(z_t, r, t) from t = 1 to 0 in `steps` jumps (eq. 12): through mid_t when
+        steps == len(mid_t) + 1, else uniform.
 
         cfg_scale != 1 doubles the evaluations; models trained with guidance in training are
         meant for cfg_scale = 1. Deterministic: `generators` (the shared sampler signature) go unused.
         """
         check_cfg(model, y, cfg_scale)
         ts = time_grid(steps, 1.0, 0.0, device=noise.device)
+        if steps == len(self.mid_t) + 1:
+            ts = torch.tensor([1.0, *self.mid_t, 0.0], device=noise.device)
         z = noise
         for t, r in zip(ts[:-1], ts[1:]):
             n = z.shape[0]

@@ -14,8 +14,11 @@ trainable fake-score network (flm.objectives.distillation.RCM is this):
                 "fake_score": Network(build=partial(load_teacher, teacher), trainable=True, optim={"lr": fake_lr}),
             }
 
-        def loss(self, model, x, y=None, *, step=0, teacher, fake_score):
-            if step % 2 == 0:
+        def phase(self, step: int) -> str:
+            return "fake_score" if step % 2 == 0 else "model"
+
+        def loss(self, model, x, y=None, *, step=0, phase=None, teacher, fake_score):
+            if (phase or self.phase(step)) == "fake_score":
                 return {"fake_score": ...}, metrics  # this step updates the fake score only
             return {"model": ...}, metrics           # and this one the model (and its EMA) only
 
@@ -31,7 +34,10 @@ Alternating updates: `loss` returns one loss, whose gradients every optimizer st
 {network: loss} of the networks this step updates ("model" for the trained model, else a trainable
 network's name); the others' optimizers, and the model's EMA unless "model" is there, skip the step.
 The choice must depend on the step alone (every micro-batch and rank of a step makes the same one),
-which also makes a resumed run alternate as the whole run did.
+which also makes a resumed run alternate as the whole run did. An objective that alternates says so
+with `phase(step) -> str`, the name of the step's kind, which the loop passes to `loss` as `phase=`
+(step is then a device tensor under CUDA graphs, where the loop captures one graph per phase);
+without it, trainer.cuda_graph=true refuses an objective whose loss does not update every network.
 """
 
 from collections.abc import Callable, Iterator, Mapping

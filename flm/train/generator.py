@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from flm.models import build_model
-from flm.objectives import OBJECTIVES, SCM, Objective
+from flm.objectives import OBJECTIVES, SCM, MeanFlow, Objective
 from flm.train.config import objective_from_config, plain
 from flm.train.ema import ema_key
 from flm.typed import typed
@@ -19,16 +19,17 @@ from flm.typed import typed
 
 def with_mid_t(section, mid_t, source: str):
     """The stored objective section with its few-step sampler's intermediate times replaced by `mid_t` (a
-    number or a list of them): sCM's and its distilled students' (sCD, rCM) 2-step time is a sampling choice."""
+    number or a list of them): the 2-step time of sCM, its distilled students (sCD, rCM) and MeanFlow is a
+    sampling choice."""
     name = section.get("name") if isinstance(section, Mapping) else None
-    if not (name in OBJECTIVES and issubclass(OBJECTIVES[name], SCM)):
+    if not (name in OBJECTIVES and issubclass(OBJECTIVES[name], (SCM, MeanFlow))):
         raise ValueError(
-            f"mid_t={mid_t} sets the intermediate times of TrigFlow consistency sampling (scm, scd, rcm), but "
-            f"{source} is a {name} run, whose sampler has none; leave mid_t=null"
+            f"mid_t={mid_t} sets the intermediate times of few-step sampling (scm, scd, rcm in TrigFlow time; "
+            f"meanflow, meanflow_distill in (0, 1)), but {source} is a {name} run, whose sampler has none; leave mid_t=null"
         )
     values = list(mid_t) if isinstance(mid_t, Sequence) and not isinstance(mid_t, str) else [mid_t]
     if not values or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
-        raise ValueError(f"mid_t must be a number or a list of numbers (TrigFlow times, e.g. [1.1]), got {mid_t!r}")
+        raise ValueError(f"mid_t must be a number or a list of numbers (e.g. [1.1] for sCM, [0.6] for MeanFlow), got {mid_t!r}")
     return {**section, "mid_t": [float(v) for v in values]}
 
 

@@ -319,23 +319,35 @@ def train(
     )
     run_log = RunLogger(run_dir, logger, run_config=config, resumed_at=state.step if resume_from else None)
 
-    def loss_and_backward(x, y, step):
+    phase_of = getattr(objective, "phase", None)  # alternating objectives (rCM) name each step's kind
+
+    def loss_and_backward(x, y, step, phase=None):
         with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
-            loss, extra = objective.loss(state.wrapped, x, y, step=step, **state.extras)
+            phase_arg = {} if phase is None else {"phase": phase}
+            loss, extra = objective.loss(state.wrapped, x, y, step=step, **phase_arg, **state.extras)
         loss, updates = state.losses(loss)
-        if trainer.cuda_graph and updates != tuple(state.optimizers):
+        if trainer.cuda_graph and phase is None and updates != tuple(state.optimizers):
             raise ValueError(
-                f"trainer.cuda_graph=true replays one captured step, and {type(objective).__name__} "
-                f"alternates the networks it updates; set trainer.cuda_graph=false"
+                f"trainer.cuda_graph=true replays one captured step, and {type(objective).__name__} alternates the "
+                f"networks it updates without a phase(step) method to capture each kind of step by; set trainer.cuda_graph=false"
             )
         (loss / trainer.grad_accum).backward()
         return loss, extra, updates
 
-    step_fn = loss_and_backward
-    if trainer.cuda_graph:  # a graph replays what it captured: the step (sCM's tangent warm-up) goes in as a tensor
-        params = [p for opt in state.optimizers.values() for p in opt.params]
-        graphed = GraphedStep(lambda x, step, y=None: loss_and_backward(x, y, step), params)
-        step_fn = lambda x, y, step: graphed(x, to_device(torch.tensor(step), device), *(() if y is None else (y,)))  # noqa: E731
+    def eager_step(x, y, step):
+        return loss_and_backward(x, y, step, phase_of(step) if phase_of else None)
+
+    # a graph replays what it captured: the step (sCM's tangent warm-up) goes in as a tensor, and an
+    # alternating objective's kinds of step are one graph each
+    params, graphs = [p for opt in state.optimizers.values() for p in opt.params], {}
+
+    def graphed_step(x, y, step):
+        phase = phase_of(step) if phase_of else None
+        if phase not in graphs:
+            graphs[phase] = GraphedStep(lambda x, step, y=None: loss_and_backward(x, y, step, phase), params)
+        return graphs[phase](x, to_device(torch.tensor(step), device), *(() if y is None else (y,)))
+
+    step_fn = graphed_step if trainer.cuda_graph else eager_step
 
     metrics, meter, step_start = {}, Meter(state.step), state.step
     state.wrapped.train()

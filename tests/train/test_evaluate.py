@@ -116,9 +116,32 @@ def test_mid_t_sets_the_two_step_time_of_trigflow_runs(run):
         build_objective_from(scm, mid_t=[1.7])
     with pytest.raises(ValueError, match="mid_t must be a number or a list of numbers"):
         build_objective_from(scm, mid_t="late")
+    flow_matching = {"config": {"objective": {"name": "flow_matching"}}}
+    with pytest.raises(ValueError, match="is a flow_matching run, whose sampler has none; leave mid_t=null"):
+        build_objective_from(flow_matching, mid_t=[0.6])
+
+
+def test_mid_t_sets_the_jumps_of_meanflow_sampling(run):
+    """MeanFlow's 2 jumps go 1 -> mid_t -> 0 (the default: 1 -> 0.5 -> 0); other step counts stay uniform."""
     meanflow = checkpoint.load(checkpoint.find_checkpoint(str(run["dir"])))
-    with pytest.raises(ValueError, match="is a meanflow run, whose sampler has none; leave mid_t=null"):
-        build_objective_from(meanflow, mid_t=[1.1])
+    calls = []
+
+    def model(z, t, r, y):  # records each jump (t, r); u = 0 keeps z
+        calls.append((round(t[0].item(), 6), round(r[0].item(), 6)))
+        return torch.zeros_like(z)
+
+    for mid_t, steps, jumps in (
+        (None, 2, [(1.0, 0.5), (0.5, 0.0)]),
+        ([0.6], 2, [(1.0, 0.6), (0.6, 0.0)]),
+        ([0.6], 4, [(1.0, 0.75), (0.75, 0.5), (0.5, 0.25), (0.25, 0.0)]),
+        ([0.7, 0.3], 3, [(1.0, 0.7), (0.7, 0.3), (0.3, 0.0)]),
+    ):
+        calls.clear()
+        build_objective_from(meanflow, mid_t=mid_t).sample(model, torch.zeros(2, 1, 4, 4), steps=steps)
+        assert calls == jumps, (mid_t, steps)
+    for bad in ([1.2], [0.0], [0.3, 0.7]):
+        with pytest.raises(ValueError, match=r"mid_t must be decreasing times in \(0, 1\)"):
+            build_objective_from(meanflow, mid_t=bad)
 
 
 @pytest.mark.parametrize("value", ["abc", 1, 0, -5, 2.5])
