@@ -1,4 +1,5 @@
-"""AdamW with a linear learning-rate warm-up (then constant, as MeanFlow and sCM train)."""
+"""AdamW with a linear learning-rate warm-up, then constant (as MeanFlow and sCM train) or decaying (cosine or
+linear, to min_lr_ratio x lr at decay_steps: short distillation runs)."""
 
 import math
 from dataclasses import dataclass
@@ -13,6 +14,9 @@ from flm.train.parallel import clip_grad_norm_
 from flm.typed import check_fields
 
 
+DECAYS = ("none", "cosine", "linear")
+
+
 @dataclass
 class OptimConfig:
     lr: float = 1e-4
@@ -21,6 +25,9 @@ class OptimConfig:
     eps: float = 1e-8
     warmup_steps: int = 0  # lr rises linearly from lr/warmup_steps to lr over this many steps
     grad_clip: float = 1.0  # max global grad norm; 0 turns clipping off (the norm is still logged)
+    decay: str = "none"  # after the warm-up: none (constant lr), cosine or linear, down to min_lr_ratio x lr
+    decay_steps: int = 0  # the step the decay ends at (the presets pass trainer.max_steps); held there after it
+    min_lr_ratio: float = 0.0
 
     def __post_init__(self):
         check_fields(self, "optim")
@@ -28,6 +35,15 @@ class OptimConfig:
             raise ValueError(f"optim.lr must be a finite number > 0, got {self.lr}; pass e.g. optim.lr=1e-4")
         if self.warmup_steps < 0:
             raise ValueError(f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
+        if self.decay not in DECAYS:
+            raise ValueError(f"optim.decay must be one of {', '.join(DECAYS)}, got {self.decay!r}")
+        if self.decay != "none" and not self.decay_steps > self.warmup_steps:
+            raise ValueError(
+                f"optim.decay={self.decay} needs optim.decay_steps > optim.warmup_steps ({self.warmup_steps}), got "
+                f"{self.decay_steps}; pass optim.decay_steps=<the run's trainer.max_steps>"
+            )
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.grad_clip < 0:
             raise ValueError(f"optim.grad_clip must be >= 0 (0 = off), got {self.grad_clip}")
         if not all(0 <= b < 1 for b in self.betas) or len(self.betas) != 2:
@@ -35,8 +51,13 @@ class OptimConfig:
 
 
 def warmup_factor(cfg: OptimConfig, step: int) -> float:
-    """The learning rate at scheduler step `step` is cfg.lr times this."""
-    return min(1.0, (step + 1) / max(cfg.warmup_steps, 1))
+    """The learning rate at scheduler step `step` is cfg.lr times this: the warm-up, then the decay."""
+    warmup = min(1.0, (step + 1) / max(cfg.warmup_steps, 1))
+    if cfg.decay == "none":
+        return warmup
+    progress = min(1.0, max(0, step - cfg.warmup_steps) / (cfg.decay_steps - cfg.warmup_steps))
+    shape = 0.5 * (1 + math.cos(math.pi * progress)) if cfg.decay == "cosine" else 1 - progress
+    return warmup * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * shape)
 
 
 def build_optimizer(params, cfg: OptimConfig):

@@ -1,13 +1,15 @@
 """A skipped (non-finite) step decided on the device: the optimizer and the EMA leave everything as it
 was, with no host sync (the gpu test checks that with torch's sync debug mode)."""
 
+import math
+
 import pytest
 import torch
 from torch import nn
 
 from flm.objectives import build_objective
 from flm.train.ema import EMA
-from flm.train.optim import OptimConfig, build_optimizer, load_schedule, optimizer_step
+from flm.train.optim import OptimConfig, build_optimizer, load_schedule, optimizer_step, warmup_factor
 from flm.train.parallel import clip_grad_norm_
 from tests.models.tiny import tiny_dit
 
@@ -113,3 +115,30 @@ def test_a_resumed_schedule_uses_the_new_settings():
     _backward(model)
     optimizer_step(opt2, sched2, skip=torch.zeros(()))
     assert opt2.param_groups[0]["lr"] == pytest.approx(1e-5 * 5 / 10)
+
+
+@pytest.mark.parametrize("decay", ["cosine", "linear"])
+def test_the_learning_rate_warms_up_then_decays_to_min_lr_ratio(decay):
+    cfg = OptimConfig(lr=1.0, warmup_steps=10, decay=decay, decay_steps=110, min_lr_ratio=0.1)
+    factor = [warmup_factor(cfg, step) for step in range(130)]
+    assert factor[0] == pytest.approx(0.1) and factor[9] == factor[10] == pytest.approx(1.0)  # the warm-up, then full lr
+    half = 0.1 + 0.9 * 0.5  # halfway through the decay: cos(pi / 2) = 0 and the linear midpoint agree
+    assert factor[60] == pytest.approx(half)
+    quarter = 0.1 + 0.9 * (0.5 * (1 + math.cos(math.pi / 4)) if decay == "cosine" else 0.75)
+    assert factor[35] == pytest.approx(quarter)
+    assert factor[110] == factor[129] == pytest.approx(0.1)  # held at min_lr_ratio after decay_steps
+    assert all(a >= b for a, b in zip(factor[10:], factor[11:]))
+    assert [warmup_factor(OptimConfig(lr=1.0, warmup_steps=10), s) for s in (9, 500)] == [1.0, 1.0]  # decay=none
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"decay": "step"}, "optim.decay must be one of none, cosine, linear"),
+        ({"decay": "cosine", "decay_steps": 10, "warmup_steps": 10}, "needs optim.decay_steps > optim.warmup_steps"),
+        ({"min_lr_ratio": 1.5}, r"optim.min_lr_ratio must be in \[0, 1\]"),
+    ],
+)
+def test_bad_decay_settings_are_named(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        OptimConfig(**kwargs)
