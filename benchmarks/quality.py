@@ -82,7 +82,7 @@ def run_objective(spec: str, args) -> dict:
         "trainer.log_every=50",
         *overrides,
     ]
-    if not any(o.startswith("trainer.cuda_graph=") for o in overrides):  # a run's own choice wins (rCM: false)
+    if not any(o.startswith("trainer.cuda_graph=") for o in overrides):  # a run's own choice wins
         train.append(f"trainer.cuda_graph={str(args.cuda_graph).lower()}")
     start = time.time()
     if steps == "auto" or steps.endswith("s"):
