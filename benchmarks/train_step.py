@@ -14,7 +14,9 @@ sCD's step is the teacher's forward (no gradient, bf16) + the student's JVP + ba
 randomly initialised DiT of the student's size (the cost does not depend on the weights). An rCM row is
 one cycle of its alternation: a fake-score step (student sample + fake-score flow-matching step) plus a
 student step (sCD + the DMD term's teacher and fake-score forwards); under `--exec graph` each of the
-two is its own CUDA graph, as in the loop.
+two is its own CUDA graph, as in the loop. `--exec compile` runs torch.compile over the objective's
+loss (JVP objectives with jvp_mode func: Dynamo traces torch.func.jvp, and flm.nn's layers are their
+plain ops under compile; a triton_jvp attention call is a graph break, math attention is traced).
 
     PYTHONPATH=. python benchmarks/train_step.py                                    # full table (H200)
     PYTHONPATH=. python benchmarks/train_step.py --models DiT-B/2 --tokens 1024,4096 --backends triton_jvp
@@ -22,6 +24,7 @@ two is its own CUDA graph, as in the loop.
     PYTHONPATH=. python benchmarks/train_step.py --exec eager,graph --models DiT-B/2 --tokens 1024
     PYTHONPATH=. python benchmarks/train_step.py --models DiT-B/2 --tokens 1024 --objectives flow_matching,scd,rcm \
         --backends triton_jvp --modes dual --exec eager,graph                       # distillation (issue 14)
+    PYTHONPATH=. python benchmarks/train_step.py --exec eager,compile --backends math,triton_jvp --tokens 256
     PYTHONPATH=. python benchmarks/train_step.py --tiny                             # CPU smoke check
 """
 
@@ -62,7 +65,12 @@ def parse_args(argv=None):
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--out", default=None, help="also write the table (Markdown) to this file")
-    p.add_argument("--exec", type=csv, default=["eager"], help="eager and/or graph (loss + backward as one CUDA graph)")
+    p.add_argument(
+        "--exec",
+        type=csv,
+        default=["eager"],
+        help="eager, graph (loss + backward as one CUDA graph) and/or compile (torch.compile over the loss; JVP mode func)",
+    )
     p.add_argument("--profile", action="store_true", help="print torch.profiler's top kernels for each row")
     p.add_argument("--tiny", action="store_true", help="CPU smoke check: DiT-T/2, 16 tokens, fp32, 2 steps")
     args = p.parse_args(argv)
@@ -119,10 +127,14 @@ def measure(model_name, tokens, objective_name, backend, mode, execution, args, 
     y = torch.randint(0, args.num_classes, (batch,), device=device, generator=g)
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
 
+    # --exec compile: the loss (JVP included: jvp_mode func) is compiled, its backward is AOTAutograd's
+    objective_loss = torch.compile(objective.loss) if execution == "compile" else objective.loss
+    step_arg = torch.tensor(10**6, device=device) if execution == "compile" else 10**6  # past the warm-up
+
     def loss_and_backward(x, y, phase=None):
         with autocast:
             phase_arg = {} if phase is None else {"phase": phase}
-            loss, metrics = objective.loss(model, x, y, step=10**6, **phase_arg, **networks)  # past the warm-up
+            loss, metrics = objective_loss(model, x, y, step=step_arg, **phase_arg, **networks)
         loss = sum(loss.values()) if isinstance(loss, dict) else loss  # {network: loss}: each touches its own
         loss.backward()
         return loss, metrics
@@ -178,7 +190,8 @@ def rows_to_run(args):
                     yield model_name, tokens, "flow_matching", "sdpa", "-", execution
                 for backend in args.backends:
                     for objective in args.objectives:
-                        for mode in args.modes if objective in JVP_OBJECTIVES else ["-"]:
+                        modes = ["func"] if execution == "compile" else args.modes  # Dynamo traces torch.func.jvp only
+                        for mode in modes if objective in JVP_OBJECTIVES else ["-"]:
                             yield model_name, tokens, objective, backend, mode, execution
 
 

@@ -19,6 +19,11 @@ to the autocast dtype before the Function, as autocast would.
     from flm import nn as fnn
     y = fnn.linear(x, w, b)
     lin = fnn.Linear(64, 128)   # drop-in for torch.nn.Linear
+
+Under torch.compile each layer is its plain PyTorch ops instead (`_compiling`): Dynamo does not trace an
+autograd.Function with a `jvp` rule (it breaks the graph at each one), and a compiled step takes its
+JVP with torch.func.jvp over the plain ops (jvp_mode="func", flm.objectives.jvp), where the compiler,
+not the Function, decides what is saved.
 """
 
 import torch
@@ -36,6 +41,17 @@ def _save(ctx, *tensors) -> None:
 def _sum_to(g: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """Reduce a broadcast gradient back to the shape and dtype of `like`."""
     return g.sum_to_size(like.shape).to(like.dtype)
+
+
+def _compiling() -> bool:
+    return torch.compiler.is_compiling()
+
+
+def _plain_layer_norm(x, weight, bias, eps):
+    x_hat = F.layer_norm(x, x.shape[-1:], None, None, eps)
+    if weight is not None:
+        return torch.addcmul(bias, x_hat, weight) if bias is not None else x_hat * weight
+    return x_hat if bias is None else x_hat + bias
 
 
 def _autocast(*tensors):
@@ -91,6 +107,8 @@ class _Linear(torch.autograd.Function):
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear with a graph-free tangent; x (..., in), weight (out, in), bias (out,)."""
+    if _compiling():
+        return F.linear(*_autocast(x, weight, bias))
     return _Linear.apply(*_autocast(x, weight, bias))
 
 
@@ -174,6 +192,8 @@ def layer_norm(x, weight=None, bias=None, eps: float = 1e-6) -> torch.Tensor:
 
     Computed in x's dtype (keep the residual stream in float32 under autocast, as DiT does).
     """
+    if _compiling():
+        return _plain_layer_norm(x, weight, bias, eps)
     return _LayerNorm.apply(x, weight, bias, eps, False)[0]
 
 
@@ -184,6 +204,8 @@ def modulate(x, shift, scale, eps: float = 1e-6) -> torch.Tensor:
     op between a dual tensor and a plain number costs ~40x a plain op on the host (torch gives the
     number a zero tangent through its Python reference implementations), once per block and branch.
     """
+    if _compiling():
+        return _plain_layer_norm(x, 1 + scale, shift, eps)
     return _LayerNorm.apply(x, scale, shift, eps, True)[0]
 
 
@@ -227,11 +249,15 @@ class _Activation(torch.autograd.Function):
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     """GELU with the tanh approximation (DiT's MLP activation)."""
+    if _compiling():
+        return _ACTIVATIONS["gelu_tanh"][0](x)
     return _Activation.apply(x, "gelu_tanh")
 
 
 def silu(x: torch.Tensor) -> torch.Tensor:
     """SiLU / swish, x * sigmoid(x)."""
+    if _compiling():
+        return F.silu(x)
     return _Activation.apply(x, "silu")
 
 
@@ -276,4 +302,6 @@ class _GatedResidual(torch.autograd.Function):
 
 def gated_residual(x: torch.Tensor, gate: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     """x + gate * h with a graph-free tangent."""
+    if _compiling():
+        return torch.addcmul(x, gate, h)
     return _GatedResidual.apply(x, gate, h)

@@ -258,7 +258,7 @@ class DiT(nn.Module):
             raise ValueError(f"labels y must be integers, got dtype {y.dtype}")
         # range-checked on the host only: on a GPU the check would stall every forward until the
         # device catches up; there the embedding's own bounds check still stops a bad label
-        if y.device.type == "cpu" and bool(((y < 0) | (y > self.num_classes)).any()):
+        if y.device.type == "cpu" and not torch.compiler.is_compiling() and bool(((y < 0) | (y > self.num_classes)).any()):
             raise ValueError(
                 f"labels y must lie in [0, {self.num_classes}] ({self.num_classes} is the null class), "
                 f"got values from {int(y.min())} to {int(y.max())}"

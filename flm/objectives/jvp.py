@@ -4,8 +4,10 @@
   gradient, the tangent has none (flm.nn and the triton_jvp attention compute it under no_grad).
 - "two_pass": a no-grad dual pass for the tangent, then an ordinary forward pass for the gradient.
   One more forward's worth of work, no dual tensors in the gradient pass.
+- "func": torch.func.jvp, the one a compiled step needs (trainer.compile: Dynamo traces functorch's
+  jvp, not forward-AD duals); the primal output keeps its graph, as in "dual".
 
-Both give the same output, tangent and gradients (tests/objectives/test_jvp_modes.py).
+All three give the same output, tangent and gradients (tests/objectives/test_jvp_modes.py).
 `record_tangents` keeps the first tangents an objective computes (flm.ablate compares them across
 attention backends).
 """
@@ -15,7 +17,7 @@ import contextlib
 import torch
 from torch.autograd import forward_ad
 
-JVP_MODES = ("dual", "two_pass")
+JVP_MODES = ("dual", "two_pass", "func")
 _recorders: list[tuple[list, int]] = []  # (found, limit) of each open record_tangents block
 
 
@@ -38,6 +40,9 @@ def jvp(fn, primals: tuple, tangents: tuple, *, mode: str):
     """(fn(*primals), d fn(*primals) along tangents); the tangent is detached."""
     if mode == "dual":
         out, tangent = _dual_call(fn, primals, tangents)
+        tangent = tangent.detach()
+    elif mode == "func":
+        out, tangent = torch.func.jvp(fn, primals, tangents)
         tangent = tangent.detach()
     else:
         with torch.no_grad():

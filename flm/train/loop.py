@@ -51,7 +51,7 @@ from flm.train.graphs import GraphedStep
 from flm.train.optim import OptimConfig, Optimizer
 from flm.train.parallel import grad_sync, wrap, wrap_copy
 from flm.train.sampling import class_labels, generate, save_grid
-from flm.train.settings import TrainerConfig, amp_dtype, check_cuda_graph, local_batch_size
+from flm.train.settings import TrainerConfig, amp_dtype, check_compile, check_cuda_graph, local_batch_size, takes_jvp
 from flm.train.state import TrainState, key
 
 
@@ -88,7 +88,7 @@ def build_state(
     # the EMA copies first: under FSDP2, wrap() shards raw in place (and wrap_copy shards the copies alike)
     ema = EMA(raw, trainer.ema_decays, wrap=lambda m: wrap_copy(m, device, trainer.parallel), sigma_rels=trainer.ema_sigma_rels)
     model = wrap(raw, device, trainer.parallel)
-    if trainer.compile:
+    if trainer.compile and not takes_jvp(objective):  # a JVP objective's whole loss is compiled instead (train)
         model = torch.compile(model)
     optimizers = {
         "model": Optimizer(nn.ModuleDict({"model": raw, "objective": objective}), optim, replicated=objective.parameters())
@@ -276,6 +276,7 @@ def train(
     model.check_runs(device, dtype)
     if trainer.cuda_graph:
         check_cuda_graph(trainer, device, world)
+    check_compile(trainer, objective, world)
     resume_from = checkpoint.resolve_resume(trainer.resume, run_dir)
 
     run = open_data(data, trainer, micro_batch, device, config or {})
@@ -320,11 +321,16 @@ def train(
     run_log = RunLogger(run_dir, logger, run_config=config, resumed_at=state.step if resume_from else None)
 
     phase_of = getattr(objective, "phase", None)  # alternating objectives (rCM) name each step's kind
+    # a compiled JVP objective: its whole loss (torch.func.jvp included) is one graph per phase; the step goes in as a
+    # tensor, as into a CUDA graph, so that a new step number does not recompile it
+    compiled = trainer.compile and takes_jvp(objective)
+    objective_loss = torch.compile(objective.loss) if compiled else objective.loss
 
     def loss_and_backward(x, y, step, phase=None):
         with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
             phase_arg = {} if phase is None else {"phase": phase}
-            loss, extra = objective.loss(state.wrapped, x, y, step=step, **phase_arg, **state.extras)
+            step = to_device(torch.tensor(step), device) if compiled and isinstance(step, int) else step
+            loss, extra = objective_loss(state.wrapped, x, y, step=step, **phase_arg, **state.extras)
         loss, updates = state.losses(loss)
         if trainer.cuda_graph and phase is None and updates != tuple(state.optimizers):
             raise ValueError(

@@ -18,7 +18,7 @@ class TrainerConfig:
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda
     precision: str = "auto"  # auto (bf16 autocast on CUDA, fp32 on CPU) | bf16 | fp32
-    compile: bool = False  # torch.compile the model (JVP steps do not compile: Dynamo refuses a Function's jvp rule)
+    compile: bool = False  # torch.compile: the model, or a JVP objective's whole loss (objective.jvp_mode=func; one process)
     cuda_graph: bool = False  # replay loss + backward as one CUDA graph (one GPU; flm.train.graphs)
     parallel: str = "ddp"  # under torchrun: ddp | fsdp (FSDP2: parameters, gradients, optimizer state and EMA sharded)
     class_conditional: bool = True  # condition on the dataset's labels (enables cfg_scale when sampling)
@@ -90,3 +90,24 @@ def check_cuda_graph(trainer: TrainerConfig, device: torch.device, world: int) -
         problems.append("it replaces torch.compile, and trainer.compile=true")
     if problems:
         raise ValueError("trainer.cuda_graph=true cannot run here: " + "; ".join(problems) + ". Set trainer.cuda_graph=false")
+
+
+def takes_jvp(objective) -> bool:
+    """Whether the objective's loss takes a JVP through the model (MeanFlow, sCM and its students)."""
+    return hasattr(objective, "jvp_mode")
+
+
+def check_compile(trainer: TrainerConfig, objective, world: int) -> None:
+    """trainer.compile=true compiles a JVP objective's loss, which Dynamo traces only through torch.func.jvp."""
+    if not (trainer.compile and takes_jvp(objective)):
+        return
+    if objective.jvp_mode != "func":
+        raise ValueError(
+            f"trainer.compile=true compiles {type(objective).__name__}'s loss, JVP included, and Dynamo traces torch.func.jvp, "
+            f"not forward-AD duals (jvp_mode={objective.jvp_mode}); pass objective.jvp_mode=func"
+        )
+    if world > 1:
+        raise ValueError(
+            f"trainer.compile=true with a JVP objective runs on one process (a compiled JVP through DDP/FSDP2 is not "
+            f"tested), and this run has {world}; set trainer.compile=false"
+        )

@@ -32,7 +32,7 @@ def test_scm_state_roundtrip():
     "make,match",
     [
         (lambda: build_objective("ddpm"), "unknown objective 'ddpm'; valid names: flow_matching, meanflow, scm"),
-        (lambda: MeanFlow(jvp_mode="func"), "unknown jvp_mode 'func'; valid modes: dual, two_pass"),
+        (lambda: MeanFlow(jvp_mode="forward"), "unknown jvp_mode 'forward'; valid modes: dual, two_pass, func"),
         (lambda: SCM(jvp_mode="x"), "unknown jvp_mode 'x'"),
         (lambda: FlowMatching(label_dropout=-0.1), r"label_dropout must be a probability in \[0, 1\], got -0.1"),
         (lambda: MeanFlow(r_neq_t=1.5), r"r_neq_t must be a probability in \[0, 1\], got 1.5"),

@@ -17,7 +17,7 @@ def _data(n=64):
     return torch.full((n, 1, 2, 2), A)
 
 
-@pytest.mark.parametrize("jvp_mode", ["dual", "two_pass"])
+@pytest.mark.parametrize("jvp_mode", ["dual", "two_pass", "func"])
 @pytest.mark.parametrize("step", [0, 10])
 def test_loss_is_zero_at_the_exact_consistency_function(jvp_mode, step):
     # df/dt = 0 along the flow: both terms of g vanish only with the right JVP tangents

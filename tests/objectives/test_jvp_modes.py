@@ -14,7 +14,7 @@ import torch
 from flm.objectives import build_objective
 from tests.models.tiny import plain_layers, tiny_dit, with_backend
 
-SETUPS = [("math", "dual"), ("math", "two_pass"), ("triton_jvp", "dual"), ("triton_jvp", "two_pass")]
+SETUPS = [(backend, mode) for backend in ("math", "triton_jvp") for mode in ("dual", "two_pass", "func")]
 
 
 def _step(objective_name, model, backend, jvp_mode, plain=False):

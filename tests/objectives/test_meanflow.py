@@ -16,7 +16,7 @@ def _data(n=64):
     return torch.full((n, 1, 2, 2), A)
 
 
-@pytest.mark.parametrize("jvp_mode", ["dual", "two_pass"])
+@pytest.mark.parametrize("jvp_mode", ["dual", "two_pass", "func"])
 def test_loss_is_zero_at_the_exact_average_velocity(jvp_mode):
     # du/dt = v / t - (z - a) / t^2 vanishes only if both tangents (v for z, 1 for t) are right
     torch.manual_seed(0)
@@ -24,7 +24,7 @@ def test_loss_is_zero_at_the_exact_average_velocity(jvp_mode):
     assert metrics["mse"] < 1e-10
 
 
-@pytest.mark.parametrize("jvp_mode", ["dual", "two_pass"])
+@pytest.mark.parametrize("jvp_mode", ["dual", "two_pass", "func"])
 def test_target_away_from_the_solution(jvp_mode):
     """u = (z - a)/t + c t: u - u_tgt = c (2t - r), so loss = D c^2 mean((2t - r)^2) with p = 0."""
     c, x = 0.3, _data()

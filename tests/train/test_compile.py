@@ -1,0 +1,31 @@
+"""trainer.compile=true on a JVP objective: its whole loss, torch.func.jvp included, compiled (CPU inductor)."""
+
+import json
+
+import pytest
+import torch
+
+from .test_graphs import read_losses
+
+COMPILED = ["objective=meanflow", "objective.jvp_mode=func", "objective.cfg_omega=1.0", "objective.tangent=sample"]
+COMPILED += ["attention=math", "trainer.log_every=1"]
+
+
+def test_a_compiled_meanflow_run_follows_the_eager_run(tmp_path, train_run, monkeypatch):
+    import torch._inductor.config as inductor
+
+    monkeypatch.setattr(inductor, "fallback_random", True)  # eager's random numbers, to compare step by step
+    train_run(tmp_path / "eager", COMPILED)
+    train_run(tmp_path / "compiled", COMPILED + ["trainer.compile=true"])
+    eager, compiled = (read_losses(tmp_path / name) for name in ("eager", "compiled"))
+    assert len(eager) == len(compiled) == 4
+    torch.testing.assert_close(torch.tensor(compiled), torch.tensor(eager), rtol=1e-4, atol=1e-6)
+    first = json.loads(open(tmp_path / "compiled" / "metrics.jsonl").readline())
+    assert first["grad_norm"] > 0  # the compiled loss has its gradient
+
+
+@pytest.mark.parametrize("mode", ["dual", "two_pass"])
+def test_compile_needs_the_func_jvp_mode(tmp_path, train_run, mode):
+    with pytest.raises(ValueError, match=f"Dynamo traces torch.func.jvp.*jvp_mode={mode}.*pass objective.jvp_mode=func"):
+        train_run(tmp_path, ["objective=meanflow", f"objective.jvp_mode={mode}", "trainer.compile=true"])
+    assert not (tmp_path / "checkpoints").exists()
