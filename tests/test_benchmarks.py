@@ -75,3 +75,11 @@ def test_train_step_runs_the_distillation_rows(capsys):
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| DiT-T/2")]
     assert [row.split("|")[4].strip() for row in rows] == ["flow_matching", "scd", "rcm"]
     assert all(float(row.split("|")[7]) > 0 for row in rows)
+
+
+def test_latent_run_times_prepare_and_train_on_the_cpu(tmp_path):
+    pytest.importorskip("diffusers", reason="the latent pipeline needs the latent extra")
+    result = load("latent_run").main(["--tiny", "--work", str(tmp_path), "--out", str(tmp_path / "result.md")])
+    assert result["images"] == 16 and result["latent_shape"] == [4, 16, 16]
+    assert result["prepare_s"] > 0 and result["step_ms"] > 0 and result["steps_per_s"] == pytest.approx(1000 / result["step_ms"])
+    assert "| train.py | DiT-T/2, meanflow" in (tmp_path / "result.md").read_text()
