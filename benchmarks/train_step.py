@@ -15,8 +15,8 @@ randomly initialised DiT of the student's size (the cost does not depend on the 
 one cycle of its alternation: a fake-score step (student sample + fake-score flow-matching step) plus a
 student step (sCD + the DMD term's teacher and fake-score forwards); under `--exec graph` each of the
 two is its own CUDA graph, as in the loop. `--exec compile` runs torch.compile over the objective's
-loss (JVP objectives with jvp_mode func: Dynamo traces torch.func.jvp, and flm.nn's layers are their
-plain ops under compile; a triton_jvp attention call is a graph break, math attention is traced).
+loss (JVP objectives with jvp_mode func and math attention only: Dynamo traces torch.func.jvp, flm.nn's
+layers are their plain ops under compile, and inductor fails in the backward of the fused kernel's JVP op).
 
     PYTHONPATH=. python benchmarks/train_step.py                                    # full table (H200)
     PYTHONPATH=. python benchmarks/train_step.py --models DiT-B/2 --tokens 1024,4096 --backends triton_jvp
@@ -190,6 +190,8 @@ def rows_to_run(args):
                     yield model_name, tokens, "flow_matching", "sdpa", "-", execution
                 for backend in args.backends:
                     for objective in args.objectives:
+                        if execution == "compile" and objective in JVP_OBJECTIVES and backend != "math":
+                            continue  # a compiled JVP takes math attention only (flm.train.settings.check_compile)
                         modes = ["func"] if execution == "compile" else args.modes  # Dynamo traces torch.func.jvp only
                         for mode in modes if objective in JVP_OBJECTIVES else ["-"]:
                             yield model_name, tokens, objective, backend, mode, execution

@@ -276,7 +276,7 @@ def train(
     model.check_runs(device, dtype)
     if trainer.cuda_graph:
         check_cuda_graph(trainer, device, world)
-    check_compile(trainer, objective, world)
+    check_compile(trainer, objective, world, model.attention)
     resume_from = checkpoint.resolve_resume(trainer.resume, run_dir)
 
     run = open_data(data, trainer, micro_batch, device, config or {})

@@ -18,7 +18,7 @@ class TrainerConfig:
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda
     precision: str = "auto"  # auto (bf16 autocast on CUDA, fp32 on CPU) | bf16 | fp32
-    compile: bool = False  # torch.compile: the model, or a JVP objective's whole loss (objective.jvp_mode=func; one process)
+    compile: bool = False  # torch.compile: the model, or a JVP objective's loss (jvp_mode=func, attention=math, one process)
     cuda_graph: bool = False  # replay loss + backward as one CUDA graph (one GPU; flm.train.graphs)
     parallel: str = "ddp"  # under torchrun: ddp | fsdp (FSDP2: parameters, gradients, optimizer state and EMA sharded)
     class_conditional: bool = True  # condition on the dataset's labels (enables cfg_scale when sampling)
@@ -97,10 +97,18 @@ def takes_jvp(objective) -> bool:
     return hasattr(objective, "jvp_mode")
 
 
-def check_compile(trainer: TrainerConfig, objective, world: int) -> None:
-    """trainer.compile=true compiles a JVP objective's loss, which Dynamo traces only through torch.func.jvp."""
+def check_compile(trainer: TrainerConfig, objective, world: int, attention: str) -> None:
+    """trainer.compile=true compiles a JVP objective's loss, which Dynamo traces only through torch.func.jvp, and
+    with math attention: inductor fails in the backward of the fused JVP kernel's op (torch 2.14.1, CPU
+    interpreter), and `auto` would pick SDPA or the fused kernel, whose JVP under compile was not tested."""
     if not (trainer.compile and takes_jvp(objective)):
         return
+    if attention != "math":
+        raise ValueError(
+            f"trainer.compile=true compiles {type(objective).__name__}'s loss, JVP included, with math attention only "
+            f"(the fused kernel's JVP does not compile), and this run has attention={attention}; pass attention=math, "
+            f"or trainer.compile=false to keep {attention}"
+        )
     if objective.jvp_mode != "func":
         raise ValueError(
             f"trainer.compile=true compiles {type(objective).__name__}'s loss, JVP included, and Dynamo traces torch.func.jvp, "

@@ -27,5 +27,13 @@ def test_a_compiled_meanflow_run_follows_the_eager_run(tmp_path, train_run, monk
 @pytest.mark.parametrize("mode", ["dual", "two_pass"])
 def test_compile_needs_the_func_jvp_mode(tmp_path, train_run, mode):
     with pytest.raises(ValueError, match=f"Dynamo traces torch.func.jvp.*jvp_mode={mode}.*pass objective.jvp_mode=func"):
-        train_run(tmp_path, ["objective=meanflow", f"objective.jvp_mode={mode}", "trainer.compile=true"])
+        train_run(tmp_path, ["objective=meanflow", f"objective.jvp_mode={mode}", "attention=math", "trainer.compile=true"])
+    assert not (tmp_path / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("attention", ["auto", "triton_jvp", "sdpa"])
+def test_compile_of_a_jvp_objective_needs_math_attention(tmp_path, train_run, attention):
+    overrides = ["objective=meanflow", "objective.jvp_mode=func", f"attention={attention}", "trainer.compile=true"]
+    with pytest.raises(ValueError, match=f"with math attention only.*attention={attention}; pass attention=math"):
+        train_run(tmp_path, overrides)
     assert not (tmp_path / "checkpoints").exists()
