@@ -26,6 +26,8 @@ JVP with torch.func.jvp over the plain ops (jvp_mode="func", flm.objectives.jvp)
 not the Function, decides what is saved.
 """
 
+import inspect
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -41,6 +43,14 @@ def _save(ctx, *tensors) -> None:
 def _sum_to(g: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """Reduce a broadcast gradient back to the shape and dtype of `like`."""
     return g.sum_to_size(like.shape).to(like.dtype)
+
+
+def _signed(cls):
+    """The Function with its forward's signature stored on it: Function.apply binds the arguments to that
+    signature on every call, and inspect builds it anew each time unless `__signature__` is set (about a
+    tenth of the host time of an eager JVP step through 12 DiT blocks on the CPU)."""
+    cls.forward.__signature__ = inspect.signature(cls.forward)
+    return cls
 
 
 def _compiling() -> bool:
@@ -68,6 +78,7 @@ def _autocast(*tensors):
 # --------------------------------------------------------------------------------------------
 
 
+@_signed
 class _Linear(torch.autograd.Function):
     @staticmethod
     def forward(x, weight, bias):
@@ -131,6 +142,7 @@ def _ln_vjp(g, x, mean, rstd):
     return torch.ops.aten.native_layer_norm_backward(g, x, (x.shape[-1],), mean, rstd, None, None, (True, False, False))[0]
 
 
+@_signed
 class _LayerNorm(torch.autograd.Function):
     # forward also returns mean and rstd (non-differentiable) so that backward and jvp reuse them
     @staticmethod
@@ -223,6 +235,7 @@ _ACTIVATIONS = {
 }
 
 
+@_signed
 class _Activation(torch.autograd.Function):
     @staticmethod
     def forward(x, name):
@@ -266,6 +279,7 @@ def silu(x: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------
 
 
+@_signed
 class _GatedResidual(torch.autograd.Function):
     @staticmethod
     def forward(x, gate, h):
@@ -287,7 +301,8 @@ class _GatedResidual(torch.autograd.Function):
                 out = torch.addcmul(out, tgate, h)
             if th is not None:
                 out = torch.addcmul(out, gate, th)
-            return out.to(ctx.out_dtype).expand(torch.broadcast_shapes(out.shape, h.shape)).contiguous()
+            shape = h.shape if out.shape == h.shape else torch.broadcast_shapes(out.shape, h.shape)  # DiT: always h's
+            return out.to(ctx.out_dtype).expand(shape).contiguous()
 
     @staticmethod
     def backward(ctx, gy):
