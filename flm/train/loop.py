@@ -48,7 +48,7 @@ from flm.train import checkpoint
 from flm.train.ema import EMA
 from flm.train.evaluation import InTraining
 from flm.train.graphs import GraphedStep
-from flm.train.optim import OptimConfig, Optimizer
+from flm.train.optim import OptimConfig, Optimizer, with_decay_steps
 from flm.train.parallel import grad_sync, wrap, wrap_copy
 from flm.train.sampling import class_labels, generate, save_grid
 from flm.train.settings import TrainerConfig, amp_dtype, check_compile, check_cuda_graph, local_batch_size, takes_jvp
@@ -79,6 +79,7 @@ def build_state(
     model_args: dict, objective, optim: OptimConfig, trainer: TrainerConfig, loader: Loader, device: torch.device, config: dict
 ) -> TrainState:
     """The networks placed and wrapped, their EMAs and optimizers, in a TrainState at step 0."""
+    optim = with_decay_steps(optim, trainer.max_steps)
     torch.manual_seed(trainer.seed)  # the same initial weights on every rank
     raw = build_model(**model_args).to(device)
     objective.to(device)

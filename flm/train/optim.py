@@ -1,6 +1,7 @@
 """AdamW with a linear learning-rate warm-up, then constant (as MeanFlow and sCM train) or decaying (cosine or
 linear, to min_lr_ratio x lr at decay_steps: short distillation runs)."""
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -26,7 +27,7 @@ class OptimConfig:
     warmup_steps: int = 0  # lr rises linearly from lr/warmup_steps to lr over this many steps
     grad_clip: float = 1.0  # max global grad norm; 0 turns clipping off (the norm is still logged)
     decay: str = "none"  # after the warm-up: none (constant lr), cosine or linear, down to min_lr_ratio x lr
-    decay_steps: int = 0  # the step the decay ends at (the presets pass trainer.max_steps); held there after it
+    decay_steps: int | None = None  # the step the decay ends at (null: trainer.max_steps); held there after it
     min_lr_ratio: float = 0.0
 
     def __post_init__(self):
@@ -37,10 +38,10 @@ class OptimConfig:
             raise ValueError(f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
         if self.decay not in DECAYS:
             raise ValueError(f"optim.decay must be one of {', '.join(DECAYS)}, got {self.decay!r}")
-        if self.decay != "none" and not self.decay_steps > self.warmup_steps:
+        if self.decay != "none" and self.decay_steps is not None and not self.decay_steps > self.warmup_steps:
             raise ValueError(
-                f"optim.decay={self.decay} needs optim.decay_steps > optim.warmup_steps ({self.warmup_steps}), got "
-                f"{self.decay_steps}; pass optim.decay_steps=<the run's trainer.max_steps>"
+                f"optim.decay={self.decay} needs optim.decay_steps (default: trainer.max_steps) > optim.warmup_steps "
+                f"({self.warmup_steps}), got {self.decay_steps}; raise it or lower optim.warmup_steps"
             )
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
@@ -50,11 +51,19 @@ class OptimConfig:
             raise ValueError(f"optim.betas must be two numbers in [0, 1), got {list(self.betas)}")
 
 
+def with_decay_steps(cfg: OptimConfig, max_steps: int) -> OptimConfig:
+    """cfg with decay_steps set: the run's max_steps when it is null (a resumed run with a new max_steps decays
+    to that one)."""
+    return cfg if cfg.decay_steps is not None else dataclasses.replace(cfg, decay_steps=max_steps)
+
+
 def warmup_factor(cfg: OptimConfig, step: int) -> float:
     """The learning rate at scheduler step `step` is cfg.lr times this: the warm-up, then the decay."""
     warmup = min(1.0, (step + 1) / max(cfg.warmup_steps, 1))
     if cfg.decay == "none":
         return warmup
+    if cfg.decay_steps is None:
+        raise ValueError("optim.decay_steps is null; the loop sets it to trainer.max_steps (with_decay_steps)")
     progress = min(1.0, max(0, step - cfg.warmup_steps) / (cfg.decay_steps - cfg.warmup_steps))
     shape = 0.5 * (1 + math.cos(math.pi * progress)) if cfg.decay == "cosine" else 1 - progress
     return warmup * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * shape)

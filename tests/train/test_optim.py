@@ -135,10 +135,20 @@ def test_the_learning_rate_warms_up_then_decays_to_min_lr_ratio(decay):
     "kwargs, message",
     [
         ({"decay": "step"}, "optim.decay must be one of none, cosine, linear"),
-        ({"decay": "cosine", "decay_steps": 10, "warmup_steps": 10}, "needs optim.decay_steps > optim.warmup_steps"),
+        ({"decay": "cosine", "decay_steps": 10, "warmup_steps": 10}, r"\(default: trainer.max_steps\) > optim.warmup"),
         ({"min_lr_ratio": 1.5}, r"optim.min_lr_ratio must be in \[0, 1\]"),
     ],
 )
 def test_bad_decay_settings_are_named(kwargs, message):
     with pytest.raises(ValueError, match=message):
         OptimConfig(**kwargs)
+
+
+def test_decay_steps_default_to_the_runs_max_steps():
+    from flm.train.optim import with_decay_steps
+
+    cfg = OptimConfig(lr=1.0, decay="linear")
+    assert cfg.decay_steps is None and with_decay_steps(cfg, 100).decay_steps == 100
+    assert with_decay_steps(OptimConfig(lr=1.0, decay="linear", decay_steps=50), 100).decay_steps == 50
+    with pytest.raises(ValueError, match=r"> optim.warmup_steps \(200\), got 100; raise it or lower optim.warmup_steps"):
+        with_decay_steps(OptimConfig(lr=1.0, decay="cosine", warmup_steps=200), 100)
