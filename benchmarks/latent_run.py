@@ -16,13 +16,14 @@ the pixels).
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 
 import numpy as np
 import torch
+
+from benchmarks.quality import sh, steady_step_ms
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SD_VAE = dict(block_out_channels=(128, 256, 512, 512), layers_per_block=2, norm_num_groups=32)
@@ -101,28 +102,6 @@ def prepare_in_process(overrides: list[str]) -> float:
     return time.perf_counter() - start
 
 
-def timed(cmd: list[str], log: str) -> float:
-    """Run cmd (from the repository root), its output into log; seconds taken; exits with the log's tail on failure."""
-    start = time.perf_counter()
-    with open(log, "w") as f:
-        rc = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT).returncode
-    seconds = time.perf_counter() - start
-    if rc != 0:
-        with open(log) as f:
-            raise SystemExit(f"error: {' '.join(cmd[1:3])} failed (exit {rc}); the end of {log}:\n{''.join(f.readlines()[-15:])}")
-    return seconds
-
-
-def steady_step_ms(run_dir: str) -> float:
-    """ms per step of the last logged window (the first window holds the warm-up and compilation)."""
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    rows = [r for r in rows if "step_ms" in r]
-    if not rows:
-        raise SystemExit(f"error: {run_dir}/metrics.jsonl has no step_ms rows")
-    return rows[-1]["step_ms"]
-
-
 def main(argv=None) -> dict:
     args = parse_args(argv)
     work = args.work or tempfile.mkdtemp(prefix="flm-latent-")
@@ -138,12 +117,14 @@ def main(argv=None) -> dict:
     meta = json.load(open(os.path.join(lat, "meta.json")))
 
     log_every = max(1, args.steps // 4)
-    train = [sys.executable, "train.py", "data=latents", f"data.root={lat}", f"model={args.model}"]
+    train = [sys.executable, os.path.join(ROOT, "train.py"), "data=latents", f"data.root={lat}", f"model={args.model}"]
     train += [f"objective={args.objective}", f"attention={args.attention}", f"run_dir={run}", f"trainer.max_steps={args.steps}"]
     train += [f"trainer.batch_size={args.batch_size}", f"trainer.log_every={log_every}", "trainer.sample_every=0"]
     train += ["trainer.ckpt_every=0", "trainer.sample_n=4", f"trainer.device={'cpu' if args.tiny else 'auto'}"]
     train += [f"trainer.cuda_graph={str(args.cuda_graph).lower()}"]
-    train_s = timed(train, os.path.join(work, "train.log"))
+    start = time.perf_counter()
+    sh(train, os.path.join(work, "train.log"))
+    train_s = time.perf_counter() - start
     step_ms = steady_step_ms(run)
 
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"

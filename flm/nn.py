@@ -57,11 +57,15 @@ def _compiling() -> bool:
     return torch.compiler.is_compiling()
 
 
-def _plain_layer_norm(x, weight, bias, eps):
-    x_hat = F.layer_norm(x, x.shape[-1:], None, None, eps)
+def _affine(x_hat, weight, bias):
+    """x_hat * weight + bias, either optional (broadcast against x_hat)."""
     if weight is not None:
         return torch.addcmul(bias, x_hat, weight) if bias is not None else x_hat * weight
     return x_hat if bias is None else x_hat + bias
+
+
+def _plain_layer_norm(x, weight, bias, eps):
+    return _affine(F.layer_norm(x, x.shape[-1:], None, None, eps), weight, bias)
 
 
 def _autocast(*tensors):
@@ -148,12 +152,7 @@ class _LayerNorm(torch.autograd.Function):
     @staticmethod
     def forward(x, weight, bias, eps, one_plus):
         x_hat, mean, rstd = torch.native_layer_norm(x, (x.shape[-1],), None, None, eps)
-        weight = _affine_weight(weight, one_plus)
-        if weight is not None:
-            y = torch.addcmul(bias, x_hat, weight) if bias is not None else x_hat * weight
-        else:
-            y = x_hat if bias is None else x_hat + bias
-        return y, mean, rstd
+        return _affine(x_hat, _affine_weight(weight, one_plus), bias), mean, rstd
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -260,18 +259,18 @@ class _Activation(torch.autograd.Function):
         return (None if gy is None else _ACTIVATIONS[ctx.name][1](gy.to(x.dtype), x)), None
 
 
+def _activation(x: torch.Tensor, name: str) -> torch.Tensor:
+    return _ACTIVATIONS[name][0](x) if _compiling() else _Activation.apply(x, name)
+
+
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     """GELU with the tanh approximation (DiT's MLP activation)."""
-    if _compiling():
-        return _ACTIVATIONS["gelu_tanh"][0](x)
-    return _Activation.apply(x, "gelu_tanh")
+    return _activation(x, "gelu_tanh")
 
 
 def silu(x: torch.Tensor) -> torch.Tensor:
     """SiLU / swish, x * sigmoid(x)."""
-    if _compiling():
-        return F.silu(x)
-    return _Activation.apply(x, "silu")
+    return _activation(x, "silu")
 
 
 # --------------------------------------------------------------------------------------------

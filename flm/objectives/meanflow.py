@@ -184,9 +184,10 @@ class MeanFlow(nn.Module):
         meant for cfg_scale = 1. Deterministic: `generators` (the shared sampler signature) go unused.
         """
         check_cfg(model, y, cfg_scale)
-        ts = time_grid(steps, 1.0, 0.0, device=noise.device)
         if steps == len(self.mid_t) + 1:
             ts = torch.tensor([1.0, *self.mid_t, 0.0], device=noise.device)
+        else:
+            ts = time_grid(steps, 1.0, 0.0, device=noise.device)
         z = noise
         for t, r in zip(ts[:-1], ts[1:]):
             n = z.shape[0]

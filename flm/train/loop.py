@@ -322,6 +322,10 @@ def train(
     run_log = RunLogger(run_dir, logger, run_config=config, resumed_at=state.step if resume_from else None)
 
     phase_of = getattr(objective, "phase", None)  # alternating objectives (rCM) name each step's kind
+
+    def phase_at(step: int) -> str | None:
+        return phase_of(step) if phase_of else None
+
     # a compiled JVP objective: its whole loss (torch.func.jvp included) is one graph per phase; the step goes in as a
     # tensor, as into a CUDA graph, so that a new step number does not recompile it
     compiled = trainer.compile and takes_jvp(objective)
@@ -342,14 +346,14 @@ def train(
         return loss, extra, updates
 
     def eager_step(x, y, step):
-        return loss_and_backward(x, y, step, phase_of(step) if phase_of else None)
+        return loss_and_backward(x, y, step, phase_at(step))
 
     # a graph replays what it captured: the step (sCM's tangent warm-up) goes in as a tensor, and an
     # alternating objective's kinds of step are one graph each
     params, graphs = [p for opt in state.optimizers.values() for p in opt.params], {}
 
     def graphed_step(x, y, step):
-        phase = phase_of(step) if phase_of else None
+        phase = phase_at(step)
         if phase not in graphs:
             graphs[phase] = GraphedStep(lambda x, step, y=None: loss_and_backward(x, y, step, phase), params)
         return graphs[phase](x, to_device(torch.tensor(step), device), *(() if y is None else (y,)))
