@@ -1,7 +1,8 @@
 """FlashAttention: the flash_attn package when importable, else PyTorch's built-in FlashAttention-2.
 
 CUDA only, fp16/bf16 only, head dims that are multiples of 8 up to 256 (`unsupported`: the rules, also
-read by triton_jvp's backward); no forward-mode rule (use triton_jvp for JVPs).
+read by triton_jvp's backward); no forward-mode rule (use triton_jvp for JVPs); no additive bias or
+key-padding mask (use sdpa, triton_jvp or math).
 """
 
 import functools
@@ -21,7 +22,11 @@ def flash_attn_func():
     return fn
 
 
-def attention(q, k, v, *, causal: bool, scale: float) -> torch.Tensor:
+def attention(q, k, v, *, causal: bool, scale: float, bias=None, key_padding_mask=None) -> torch.Tensor:
+    if bias is not None or key_padding_mask is not None:
+        raise ValueError(
+            "attention backend 'flash' takes no bias or key_padding_mask; use backend='sdpa', 'triton_jvp' or 'math' for those"
+        )
     fn = flash_attn_func()
     if fn is not None:  # flash_attn wants (B, N, H, D)
         o = fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale=scale, causal=causal)
@@ -30,7 +35,7 @@ def attention(q, k, v, *, causal: bool, scale: float) -> torch.Tensor:
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
 
 
-def attention_jvp(q, k, v, *, causal: bool, scale: float) -> torch.Tensor:
+def attention_jvp(q, k, v, *, causal: bool, scale: float, bias=None, key_padding_mask=None) -> torch.Tensor:
     raise ValueError(
         "attention backend 'flash' has no forward-mode (JVP) rule; use backend='triton_jvp' "
         "(fused JVP) or 'math' for objectives that take a JVP"

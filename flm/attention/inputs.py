@@ -32,27 +32,73 @@ def check_qkv(q, k, v, *, causal: bool) -> None:
 
 def check_tangents(primals, tangents) -> None:
     for name, x, tx in zip(_NAMES, primals, tangents):
-        if not isinstance(tx, torch.Tensor):
-            raise TypeError(f"t{name} must be a torch.Tensor, got {type(tx).__name__}")
-        if tx.shape != x.shape:
-            raise ValueError(f"t{name} has shape {tuple(tx.shape)}, expected {tuple(x.shape)} (the shape of {name})")
-        if tx.dtype != x.dtype:
-            raise ValueError(f"t{name} has dtype {tx.dtype}, expected {x.dtype} (the dtype of {name})")
-        if tx.device != x.device:
-            raise ValueError(f"t{name} is on {tx.device}, expected {x.device} (the device of {name})")
+        check_like(f"t{name}", tx, name, x)
 
 
-def unpack_duals(q, k, v):
-    """(primals, tangents) of forward-mode dual tensors; tangents is None when none has one.
+def check_like(name: str, x, like_name: str, like: torch.Tensor) -> None:
+    """x (a tangent) must have the shape, dtype and device of `like` (its primal)."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.shape != like.shape:
+        raise ValueError(f"{name} has shape {tuple(x.shape)}, expected {tuple(like.shape)} (the shape of {like_name})")
+    if x.dtype != like.dtype:
+        raise ValueError(f"{name} has dtype {x.dtype}, expected {like.dtype} (the dtype of {like_name})")
+    if x.device != like.device:
+        raise ValueError(f"{name} is on {x.device}, expected {like.device} (the device of {like_name})")
 
-    A primal without a tangent (say keys from a t-independent context) gets a zero tangent.
+
+def check_bias_and_mask(bias, key_padding_mask, q, k) -> None:
+    """bias: added to the logits, broadcastable to (B, H, Lq, Lkv), q's dtype or fp32; key_padding_mask:
+    bool (B, Lkv), True = attend to the key (SDPA's attn_mask convention), False = padding."""
+    b, h, lq, _ = q.shape
+    logits = (b, h, lq, k.shape[2])
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor):
+            raise TypeError(f"bias must be a torch.Tensor, got {type(bias).__name__}")
+        if bias.dim() > 4 or any(n not in (1, m) for n, m in zip(reversed(bias.shape), reversed(logits))):
+            raise ValueError(
+                f"bias has shape {tuple(bias.shape)}, which does not broadcast to the logits (B, H, Lq, Lkv) = {logits}; "
+                "give it shape (B or 1, H or 1, Lq, Lkv)"
+            )
+        if bias.dtype not in (q.dtype, torch.float32):
+            raise ValueError(f"bias has dtype {bias.dtype}, expected {q.dtype} (the dtype of q) or torch.float32; cast it")
+        if bias.device != q.device:
+            raise ValueError(f"bias is on {bias.device}, expected {q.device} (the device of q)")
+    if key_padding_mask is not None:
+        if not isinstance(key_padding_mask, torch.Tensor):
+            raise TypeError(f"key_padding_mask must be a torch.Tensor, got {type(key_padding_mask).__name__}")
+        if key_padding_mask.dtype != torch.bool:
+            raise ValueError(
+                f"key_padding_mask has dtype {key_padding_mask.dtype}, expected torch.bool "
+                "(True = attend to the key, False = padding)"
+            )
+        if key_padding_mask.shape != (b, k.shape[2]):
+            raise ValueError(
+                f"key_padding_mask has shape {tuple(key_padding_mask.shape)}, expected (B, Lkv) = ({b}, {k.shape[2]})"
+            )
+        if key_padding_mask.device != q.device:
+            raise ValueError(f"key_padding_mask is on {key_padding_mask.device}, expected {q.device} (the device of q)")
+
+
+def as_4d(bias):
+    """A checked bias as a 4-dim view (leading dims of size 1 added); None stays None."""
+    return None if bias is None else bias[(None,) * (4 - bias.dim())]
+
+
+def unpack_duals(q, k, v, bias=None):
+    """(primals, tangents) of forward-mode dual tensors, each (q, k, v, bias); tangents is None when none
+    has one.
+
+    A q, k or v without a tangent (say keys from a t-independent context) gets a zero tangent; a bias
+    without one keeps None (the fused kernel then skips the bias tangent).
     """
     unpacked = [forward_ad.unpack_dual(x) for x in (q, k, v)]
-    if all(u.tangent is None for u in unpacked):
-        return (q, k, v), None
+    bias_, tbias = (None, None) if bias is None else forward_ad.unpack_dual(bias)
+    if all(u.tangent is None for u in unpacked) and tbias is None:
+        return (q, k, v, bias), None
     primals = tuple(u.primal for u in unpacked)
     tangents = tuple(torch.zeros_like(u.primal) if u.tangent is None else u.tangent for u in unpacked)
-    return primals, tangents
+    return (*primals, bias_), (*tangents, tbias)
 
 
 def under_functorch(x: torch.Tensor) -> bool:

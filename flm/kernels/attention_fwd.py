@@ -12,6 +12,12 @@ one accumulator, which keeps two (BLOCK_M, head dim) fp32 tiles in registers ins
 limit at head dim 128). With HAS_TANGENT
 off the same kernel is a plain FlashAttention-2 forward (O and the log-sum-exp).
 
+An additive bias b (HAS_BIAS) enters as s_j = scale * q.k_j + b_j, and its tangent tb (HAS_BIAS_TANGENT)
+as ts_j = scale * (tq.k_j + q.tk_j) + tb_j; a key-padding mask (HAS_MASK) sets s_j = -inf at padded keys.
+The bias is read through its strides, so a bias broadcast over batch or heads (stride 0) is read in place.
+A row whose every logit is -inf gets O = tO = 0 and lse = -inf. With the three flags off the kernel
+compiles to the code it had before they existed.
+
 Layouts are (batch, heads, tokens, head_dim) with arbitrary strides for every input. Head dims that
 are not a power of two (72, 96, ...) are zero-padded to one by the wrapper: zeros change neither
 q.k nor the output's first columns, and mask-free head-dim loads keep the kernel fast (masked ones
@@ -54,6 +60,11 @@ def _fwd_inner(
     stride_vn,
     stride_tkn,
     stride_tvn,
+    bias_ptrs,
+    tbias_ptrs,
+    stride_bn,
+    stride_tbn,
+    kpm_ptrs,
     offs_m,
     offs_n,
     lo,
@@ -63,6 +74,9 @@ def _fwd_inner(
     qk_scale,
     BLOCK_N: tl.constexpr,
     HAS_TANGENT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_BIAS_TANGENT: tl.constexpr,
+    HAS_MASK: tl.constexpr,
     MASK: tl.constexpr,
     CAUSAL: tl.constexpr,
     PRECISION: tl.constexpr,
@@ -87,13 +101,19 @@ def _fwd_inner(
             pad = None
         kt = tl.load(k_ptrs, mask=kt_mask, other=pad)
         s = tl.dot(q, kt, input_precision=PRECISION) * qk_scale  # log2 units
+        if HAS_BIAS:
+            b = tl.load(bias_ptrs + cols[None, :] * stride_bn, mask=kt_mask, other=pad)
+            s += b.to(tl.float32) * 1.4426950408889634
+        if HAS_MASK:
+            key_ok = tl.load(kpm_ptrs + cols[None, :], mask=kt_mask, other=pad)  # (1, BLOCK_N)
+            s = tl.where(key_ok != 0, s, float("-inf"))
         if MASK:
             keep = cols[None, :] < LKV
             if CAUSAL:
                 keep = keep & (offs_m[:, None] >= cols[None, :])
             s = tl.where(keep, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        if MASK:  # a row with no key yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN
+        if MASK or HAS_BIAS or HAS_MASK:  # a row with no key yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN
             m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.math.exp2(m_i - m_new)
         p = tl.math.exp2(s - m_new[:, None])
@@ -105,6 +125,8 @@ def _fwd_inner(
             tkt = tl.load(tk_ptrs, mask=kt_mask, other=pad)
             ts = tl.dot(tq, kt, input_precision=PRECISION)
             ts = tl.dot(q, tkt, ts, input_precision=PRECISION) * scale
+            if HAS_BIAS_TANGENT:
+                ts += tl.load(tbias_ptrs + cols[None, :] * stride_tbn, mask=kt_mask, other=pad).to(tl.float32)
             h = p * ts
             r_i = r_i * alpha + tl.sum(h, 1)
             acc_t = acc_t * alpha[:, None]
@@ -131,6 +153,9 @@ def _fwd_kernel(
     O,
     TO,
     LSE,
+    BIAS,
+    TBIAS,
+    KPM,
     stride_qb,
     stride_qh,
     stride_qm,  # head dim has unit stride (the wrapper ensures it)
@@ -152,6 +177,14 @@ def _fwd_kernel(
     stride_ob,
     stride_oh,
     stride_om,
+    stride_bb,
+    stride_bh,
+    stride_bm,
+    stride_bn,
+    stride_tbb,
+    stride_tbh,
+    stride_tbm,
+    stride_tbn,
     H,
     LQ,
     LKV,
@@ -162,6 +195,9 @@ def _fwd_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HAS_TANGENT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_BIAS_TANGENT: tl.constexpr,
+    HAS_MASK: tl.constexpr,
     CAUSAL: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
@@ -195,6 +231,15 @@ def _fwd_kernel(
         tq = q
         tk_ptrs = k_ptrs
         tv_ptrs = v_ptrs
+    if HAS_BIAS:
+        # (BLOCK_M, 1) row pointers; rows past Lq read row Lq - 1 (never stored), so only keys need load masks
+        rows = tl.minimum(offs_m, LQ - 1)[:, None]
+        bias_ptrs = BIAS + off_b * stride_bb + off_h * stride_bh + rows * stride_bm
+        tbias_ptrs = TBIAS + off_b * stride_tbb + off_h * stride_tbh + rows * stride_tbm if HAS_BIAS_TANGENT else bias_ptrs
+    else:
+        bias_ptrs = BIAS
+        tbias_ptrs = BIAS
+    kpm_ptrs = KPM + off_b * LKV if HAS_MASK else KPM  # (B, Lkv) contiguous, 0 = padded key
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -226,6 +271,11 @@ def _fwd_kernel(
         stride_vn,
         stride_tkn,
         stride_tvn,
+        bias_ptrs,
+        tbias_ptrs,
+        stride_bn,
+        stride_tbn,
+        kpm_ptrs,
         offs_m,
         offs_n,
         0,
@@ -235,6 +285,9 @@ def _fwd_kernel(
         qk_scale,
         BLOCK_N,
         HAS_TANGENT,
+        HAS_BIAS,
+        HAS_BIAS_TANGENT,
+        HAS_MASK,
         False,
         CAUSAL,
         PRECISION,
@@ -255,6 +308,11 @@ def _fwd_kernel(
         stride_vn,
         stride_tkn,
         stride_tvn,
+        bias_ptrs,
+        tbias_ptrs,
+        stride_bn,
+        stride_tbn,
+        kpm_ptrs,
         offs_m,
         offs_n,
         full_hi,
@@ -264,6 +322,9 @@ def _fwd_kernel(
         qk_scale,
         BLOCK_N,
         HAS_TANGENT,
+        HAS_BIAS,
+        HAS_BIAS_TANGENT,
+        HAS_MASK,
         True,
         CAUSAL,
         PRECISION,
@@ -305,7 +366,7 @@ def _prune(configs, named_args, **meta):
 
 _fwd_tuned = triton.autotune(
     configs=[triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in _ALL],
-    key=["LQ_BUCKET", "LKV_BUCKET", "BLOCK_D", "HAS_TANGENT", "CAUSAL", "PRECISION"],
+    key=["LQ_BUCKET", "LKV_BUCKET", "BLOCK_D", "HAS_TANGENT", "HAS_BIAS", "HAS_BIAS_TANGENT", "HAS_MASK", "CAUSAL", "PRECISION"],
     prune_configs_by={"early_config_prune": _prune},
     cache_results=True,
 )(_fwd_kernel)
@@ -341,16 +402,34 @@ def _prepare(x: torch.Tensor, width: int) -> torch.Tensor:
     return x.contiguous()
 
 
-def attention_fwd(q, k, v, tq=None, tk=None, tv=None, *, causal: bool, scale: float, config=None):
+def attention_fwd(
+    q,
+    k,
+    v,
+    tq=None,
+    tk=None,
+    tv=None,
+    *,
+    causal: bool,
+    scale: float,
+    config=None,
+    bias=None,
+    bias_tangent=None,
+    key_padding_mask=None,
+):
     """(o, to, lse) for q (B, H, Lq, D), k/v (B, H, Lkv, D); to is None without tangents.
 
     Inputs are assumed checked (flm.attention.inputs); lse is (B, H, Lq) fp32 in natural log.
     config = (BLOCK_M, BLOCK_N, num_warps, num_stages) skips tuning (benchmarks/attention_configs.py).
+    bias (and bias_tangent, used only with tangents): 4 dims broadcastable to (B, H, Lq, Lkv), any
+    strides; key_padding_mask: bool (B, Lkv), True = attend.
     """
     b, h, lq, d = q.shape
     lkv = k.shape[2]
     check_head_dim(d)
     has_tangent = tq is not None
+    has_bias, has_mask = bias is not None, key_padding_mask is not None
+    has_bias_tangent = has_tangent and bias_tangent is not None
     if lkv == 0 or lq == 0 or b * h == 0:  # nothing to attend to: O = tO = 0, lse = -inf
         o = q.new_zeros(q.shape)
         lse = torch.full((b, h, lq), float("-inf"), dtype=torch.float32, device=q.device)
@@ -361,6 +440,10 @@ def attention_fwd(q, k, v, tq=None, tk=None, tv=None, *, causal: bool, scale: fl
     o = torch.empty((b, h, lq, width), dtype=q.dtype, device=q.device)
     to = torch.empty_like(o) if has_tangent else o
     lse = torch.empty((b, h, lq), dtype=torch.float32, device=q.device)
+    # broadcast dims read with stride 0; absent inputs pass q and zero strides (the kernel ignores them)
+    bias = bias.expand(b, h, lq, lkv) if has_bias else q
+    tbias = bias_tangent.expand(b, h, lq, lkv) if has_bias_tangent else q
+    kpm = key_padding_mask.contiguous().view(torch.uint8) if has_mask else q
     args = [
         q,
         k,
@@ -371,7 +454,12 @@ def attention_fwd(q, k, v, tq=None, tk=None, tv=None, *, causal: bool, scale: fl
         o,
         to,
         lse,
+        bias,
+        tbias,
+        kpm,
         *(st for x in (q, k, v, tq, tk, tv, o) for st in x.stride()[:3]),
+        *(bias.stride() if has_bias else (0, 0, 0, 0)),
+        *(tbias.stride() if has_bias_tangent else (0, 0, 0, 0)),
         h,
         lq,
         lkv,
@@ -382,6 +470,9 @@ def attention_fwd(q, k, v, tq=None, tk=None, tv=None, *, causal: bool, scale: fl
     meta = dict(
         BLOCK_D=width,
         HAS_TANGENT=has_tangent,
+        HAS_BIAS=has_bias,
+        HAS_BIAS_TANGENT=has_bias_tangent,
+        HAS_MASK=has_mask,
         CAUSAL=causal,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )
