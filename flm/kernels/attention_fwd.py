@@ -113,7 +113,9 @@ def _fwd_inner(
                 keep = keep & (offs_m[:, None] >= cols[None, :])
             s = tl.where(keep, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        if MASK or HAS_BIAS or HAS_MASK:  # a row with no key yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN
+        # a row with no key yet keeps m = -inf: shift by 0 so exp2 gives 0, not NaN (a chain of three `or`s,
+        # unparenthesised, does not compile in older Triton)
+        if MASK or (HAS_BIAS or HAS_MASK):
             m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.math.exp2(m_i - m_new)
         p = tl.math.exp2(s - m_new[:, None])
@@ -344,7 +346,7 @@ def _fwd_kernel(
 
 
 # ---------------------------------------------------------------------------------------------
-# Launch configuration: tuned once per (head dim, dtype, causal, tangent, length bucket)
+# Launch configuration: tuned once per (head dim, dtype, causal, tangent, bias, mask, length bucket)
 # ---------------------------------------------------------------------------------------------
 
 
@@ -355,12 +357,19 @@ _CANDIDATES = {  # from benchmarks/attention_configs.py on an H200 (bf16, 4096 t
     128: [(128, 64, 8, 2), (128, 32, 8, 4)],  # the latter best at 256 and 1024 tokens
     256: [(64, 32, 4, 2), (128, 32, 8, 1)],
 }
-_ALL = sorted({c for cs in _CANDIDATES.values() for c in cs})
+# With a bias (and its tangent) the pipeliner stages one or two more (BLOCK_M, BLOCK_N) tiles in shared
+# memory, and the fast candidates can exceed the H200's 227 KiB (an fp32 bias with its tangent; the
+# autotuner skips configs that do not fit). The bias path also tries this one, which fits every case
+# (at most 160 KiB: head dim 128, fp32 inputs, bias and bias tangent; Triton 3.8, sm_90).
+_BIAS_FALLBACK = (64, 32, 4, 2)
+_ALL = sorted({c for cs in _CANDIDATES.values() for c in cs} | {_BIAS_FALLBACK})
 
 
 def _prune(configs, named_args, **meta):
-    """The candidates for this head dim (head dims up to 64 share one list)."""
+    """The candidates for this head dim (head dims up to 64 share one list), plus the bias fallback."""
     wanted = _CANDIDATES[max(64, meta["BLOCK_D"])]
+    if meta["HAS_BIAS"] or meta["HAS_MASK"]:
+        wanted = [*wanted, _BIAS_FALLBACK]
     return [c for c in configs if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in wanted]
 
 

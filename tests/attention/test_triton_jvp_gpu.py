@@ -10,7 +10,7 @@ from torch.autograd import forward_ad
 
 import flm.attention as fa
 from flm.attention import triton_jvp
-from tests.attention.reference import grads64, jvp64, rel_err
+from tests.attention.reference import attention64, grads64, jvp64, rel_err
 
 pytestmark = pytest.mark.gpu
 
@@ -124,3 +124,104 @@ def test_compiled_step_with_inductor_has_no_graph_break():
     g, w.grad = w.grad.clone(), None
     step(q, k, v).backward()
     assert rel_err(g, w.grad) < 1e-2
+
+
+# ---------------------------------------------------------------------------------------------
+# Additive bias and key-padding masks (flm's Triton backward, not FlashAttention's, takes the gradient)
+# ---------------------------------------------------------------------------------------------
+
+BIAS_CASES = [  # (B, H, Lq, Lkv, D, bias shape, key-padding mask, causal)
+    (2, 4, 256, 256, 64, (1, 1, 256, 256), False, False),
+    (2, 4, 1024, 1024, 64, (2, 4, 1024, 1024), True, False),
+    (2, 4, 1024, 1024, 64, (2, 1, 1024, 1024), True, True),
+    (2, 4, 1000, 517, 72, (1, 4, 1000, 517), True, False),
+    (2, 4, 256, 384, 128, (2, 1, 1, 384), True, False),  # one bias per key
+    (2, 4, 333, 333, 64, None, True, False),  # a mask alone
+]
+BIAS_IDS = ["bias11-256", "biasBH+mask-1024", "biasB1+mask+causal-1024", "bias1H+mask-cross-d72", "key-bias-d128", "mask-only"]
+
+
+def _bias_inputs(b, h, lq, lkv, d, bias_shape, masked, dtype, seed=0):
+    """q, k, v, tangents, bias and its tangent (None without a shape), and a mask (True = attend) that pads
+    the last third of batch 1's keys, ~10% of the others at random, and key 0 of batch 0."""
+    q, k, v, tq, tk, tv = _qkv(b, h, lq, lkv, d, dtype, seed)
+    g = torch.Generator(device="cuda").manual_seed(seed + 1)
+    bias = tbias = mask = None
+    if bias_shape is not None:
+        bias, tbias = (torch.randn(*bias_shape, device="cuda", generator=g).to(dtype) for _ in range(2))
+    if masked:
+        mask = torch.rand(b, lkv, device="cuda", generator=g) > 0.1
+        mask[0, 0] = False
+        mask[1, 2 * lkv // 3 :] = False
+    return q, k, v, tq, tk, tv, bias, tbias, mask
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", BIAS_CASES, ids=BIAS_IDS)
+def test_bias_jvp_forward_real_sizes(case, dtype):
+    *dims, bias_shape, masked, causal = case
+    q, k, v, tq, tk, tv, bias, tbias, mask = _bias_inputs(*dims, bias_shape, masked, dtype)
+    o, to = fa.jvp_attention(q, k, v, tq, tk, tv, causal=causal, bias=bias, bias_tangent=tbias, key_padding_mask=mask)
+    o_ref, to_ref = jvp64(q, k, v, tq, tk, tv, causal=causal, bias=bias, tbias=tbias, key_padding_mask=mask)
+    assert torch.isfinite(o).all() and torch.isfinite(to).all()
+    assert rel_err(o, o_ref) < TOL[dtype]
+    assert rel_err(to, to_ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("backend", ["triton_jvp", "sdpa"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", BIAS_CASES, ids=BIAS_IDS)
+def test_bias_gradients_real_sizes(case, dtype, backend):
+    *dims, bias_shape, masked, causal = case
+    q, k, v, _, _, _, bias, _, mask = _bias_inputs(*dims, bias_shape, masked, dtype, seed=1)
+    leaves = [x for x in (q, k, v, bias) if x is not None]
+    for x in leaves:
+        x.requires_grad_()
+    o = fa.attention(q, k, v, backend=backend, causal=causal, bias=bias, key_padding_mask=mask)
+    assert rel_err(o, attention64(q, k, v, causal=causal, bias=bias, key_padding_mask=mask)) < TOL[dtype]
+    do = torch.randn_like(o)
+    o.backward(do)
+    for x, ref in zip(leaves, grads64(q, k, v, do, causal=causal, bias=bias, key_padding_mask=mask)):
+        assert x.grad.shape == x.shape and torch.isfinite(x.grad).all()
+        assert rel_err(x.grad, ref) < TOL[dtype]
+
+
+def test_bias_rows_with_no_key_are_zero_on_gpu():
+    """Batch 1 pads every key; causal row 0 of batch 0 has its only key padded."""
+    q, k, v, tq, tk, tv, bias, tbias, mask = _bias_inputs(2, 4, 512, 512, 64, (1, 4, 512, 512), True, torch.bfloat16, seed=2)
+    mask[1] = False
+    q, k, v, bias = (x.requires_grad_() for x in (q, k, v, bias))
+    o, to = fa.jvp_attention(q, k, v, tq, tk, tv, causal=True, bias=bias, bias_tangent=tbias, key_padding_mask=mask)
+    o.float().square().sum().backward()
+    for x in (o, to):
+        assert torch.equal(x[1], torch.zeros_like(x[1])) and torch.equal(x[0, :, 0], torch.zeros_like(x[0, :, 0]))
+    for x in (q, k, v, bias):
+        assert torch.isfinite(x.grad).all()
+    assert torch.equal(q.grad[1], torch.zeros_like(q.grad[1]))
+
+
+def test_fp32_bias_with_bf16_inputs():
+    q, k, v, *_ = _qkv(2, 4, 300, 300, 64, torch.bfloat16, seed=3)
+    bias = torch.randn(1, 4, 300, 300, device="cuda", requires_grad=True)
+    o = fa.attention(q, k, v, backend="triton_jvp", bias=bias)
+    do = torch.randn_like(o)
+    o.backward(do)
+    assert bias.grad.dtype == torch.float32
+    assert rel_err(o, attention64(q, k, v, bias=bias)) < TOL[torch.bfloat16]
+    assert rel_err(bias.grad, grads64(q, k, v, do, bias=bias)[3]) < TOL[torch.bfloat16]
+
+
+def test_compiled_step_with_bias_and_mask_has_no_graph_break():
+    torch._dynamo.reset()
+    q, k, v, _, _, _, bias, _, mask = _bias_inputs(2, 4, 512, 512, 64, (1, 4, 512, 512), True, torch.bfloat16, seed=4)
+    w = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    bias.requires_grad_()
+
+    def step(q, k, v, bias, mask):
+        return fa.attention(q @ w, k, v, backend="triton_jvp", bias=bias, key_padding_mask=mask).float().square().sum()
+
+    torch.compile(step, fullgraph=True)(q, k, v, bias, mask).backward()
+    g_w, g_bias = w.grad.clone(), bias.grad.clone()
+    w.grad = bias.grad = None
+    step(q, k, v, bias, mask).backward()
+    assert rel_err(g_w, w.grad) < 1e-2 and rel_err(g_bias, bias.grad) < 1e-2
