@@ -58,7 +58,7 @@ def check_bias_and_mask(bias, key_padding_mask, q, k) -> None:
         if bias.dim() > 4 or any(n not in (1, m) for n, m in zip(reversed(bias.shape), reversed(logits))):
             raise ValueError(
                 f"bias has shape {tuple(bias.shape)}, which does not broadcast to the logits (B, H, Lq, Lkv) = {logits}; "
-                "give it shape (B or 1, H or 1, Lq, Lkv)"
+                "give it shape (B or 1, H or 1, Lq or 1, Lkv or 1)"
             )
         if bias.dtype not in (q.dtype, torch.float32):
             raise ValueError(f"bias has dtype {bias.dtype}, expected {q.dtype} (the dtype of q) or torch.float32; cast it")

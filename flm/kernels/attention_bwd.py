@@ -9,7 +9,8 @@ It is also the backward of attention with an additive bias or a key-padding mask
 takes neither): P = exp(scale * q k^T + bias - lse) with P = 0 at padded keys, and the bias gradient
 is dS itself (the logits' gradient, before the scale that dq and dk carry), summed over the batch and
 heads the bias broadcasts over: the dk/dv kernel, which meets every (query, key) pair of a head once,
-stores it, or adds it atomically (fp32, in no fixed order) where several heads share one bias entry.
+stores it, or adds it atomically (fp32, in no fixed order) where several batch elements or heads share
+one bias entry.
 """
 
 import torch

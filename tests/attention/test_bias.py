@@ -248,7 +248,7 @@ def _ok():  # q (2, 2, 8, 32); k, v (2, 2, 6, 32)
         ),
         (torch.zeros(3, 1, 8, 6), None, r"bias has shape \(3, 1, 8, 6\), which does not broadcast"),
         (torch.zeros(1, 2, 2, 8, 6), None, r"bias has shape \(1, 2, 2, 8, 6\), which does not broadcast"),
-        (torch.zeros(2, 2, 6, 8), None, r"bias has shape \(2, 2, 6, 8\).*\(B or 1, H or 1, Lq, Lkv\)"),
+        (torch.zeros(2, 2, 6, 8), None, r"bias has shape \(2, 2, 6, 8\).*\(B or 1, H or 1, Lq or 1, Lkv or 1\)"),
         (torch.zeros(8, 6, dtype=torch.float64), None, r"bias has dtype torch.float64, expected torch.float32"),
         (torch.zeros(8, 6, dtype=torch.bool), None, r"bias has dtype torch.bool"),
         (torch.zeros(8, 6, device="meta"), None, r"bias is on meta, expected cpu"),

@@ -1,4 +1,5 @@
-"""The fused JVP attention at real sizes on a GPU: bf16/fp16, FA2 backward, a two-layer transformer.
+"""The fused JVP attention at real sizes on a GPU: bf16/fp16, FA2 backward, a two-layer transformer,
+additive biases and key-padding masks (triton_jvp and sdpa).
 
 Run on a CUDA machine: pytest -m gpu tests/attention
 """
