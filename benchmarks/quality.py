@@ -38,6 +38,7 @@ SAMPLER_STEPS = {
     "scd": [1, 2],
     "rcm": [1, 2],
     "meanflow_distill": [1, 2],
+    "meanflow_dmd": [1, 2],
 }
 
 

@@ -267,7 +267,7 @@ def fit(
         teacher = fit("flow_matching", steps=teacher_steps, **settings, **every)[1]
     torch.manual_seed(seed)
     objective_kwargs.setdefault("label_dropout", 0.0)  # unconditional toy
-    if objective_name in ("scd", "rcm"):
+    if objective_name in ("scd", "rcm", "meanflow_dmd"):
         objective_kwargs.setdefault("teacher", "exact")  # a name only: `teacher` above is the teacher
     objective = build_objective(objective_name, **objective_kwargs)
     model = ToyNet(objective.time_inputs, time_scale, hidden, depth, dim)
@@ -279,7 +279,8 @@ def fit(
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, lr_warmup)))
     networks, optimizers = {}, {"model": (model, opt)}
     for name, network in declared.items():
-        networks[name] = copy.deepcopy(model) if network.trainable else teacher
+        fresh = lambda: ToyNet(1, time_scale, hidden, depth, dim)  # noqa: E731
+        networks[name] = fake_score_start(teacher, model, teacher_steps, fresh) if network.trainable else teacher
         if network.trainable:
             optimizers[name] = (networks[name], torch.optim.Adam(networks[name].parameters(), **{"lr": lr, **network.optim}))
     scorer = Scorer(objective, gmm, n=n_eval)
@@ -308,6 +309,14 @@ def fit(
     return history, ema_model
 
 
+def fake_score_start(teacher, student, teacher_steps, fresh):
+    """A fake score (rCM, MeanFlow + DMD) is a flow-matching network: the trained teacher's copy, else the fresh
+    student's where it is one (time_inputs 1), else fresh() (a flow-matching ToyNet of the student's shape)."""
+    if teacher_steps:
+        return copy.deepcopy(teacher).requires_grad_(True)
+    return copy.deepcopy(student) if student.time_inputs == 1 else fresh()
+
+
 def _value(text: str):
     for cast in (int, float):
         try:
@@ -319,7 +328,7 @@ def _value(text: str):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--objective", default="meanflow", choices=["flow_matching", "meanflow", "scm", "scd", "rcm"])
+    p.add_argument("--objective", default="meanflow", choices=["flow_matching", "meanflow", "scm", "scd", "rcm", "meanflow_dmd"])
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--lr", type=float, default=1e-3)

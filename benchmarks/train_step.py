@@ -29,7 +29,6 @@ layers are their plain ops under compile, and inductor fails in the backward of 
 """
 
 import argparse
-import copy
 import functools
 import gc
 import math
@@ -46,8 +45,8 @@ from flm.models import build_model
 from flm.objectives import build_objective
 from flm.train.graphs import GraphedStep
 
-JVP_OBJECTIVES = ("meanflow", "scm", "scd", "rcm")
-DISTILLATION = ("scd", "rcm")
+JVP_OBJECTIVES = ("meanflow", "scm", "scd", "rcm", "meanflow_dmd")
+DISTILLATION = ("scd", "rcm", "meanflow_dmd")
 
 
 def parse_args(argv=None):
@@ -102,21 +101,18 @@ def measure(model_name, tokens, objective_name, backend, mode, execution, args, 
     if objective_name in DISTILLATION:
         kwargs["teacher"] = "benchmark"  # never read: the networks are built here, not from a checkpoint
     objective = build_objective(objective_name, **kwargs).to(device)
+    build = functools.partial(
+        build_model, model_name, input_size=side, in_channels=args.channels, num_classes=args.num_classes, attention=backend
+    )
     with torch.device(device):
-        model = build_model(
-            model_name,
-            input_size=side,
-            in_channels=args.channels,
-            num_classes=args.num_classes,
-            time_inputs=objective.time_inputs,
-            attention=backend,
-        )
+        model = build(time_inputs=objective.time_inputs)
     params = list(model.parameters()) + list(objective.parameters())
     fused = device.type == "cuda"
     opts = [torch.optim.AdamW(params, lr=1e-4, fused=fused)]
-    networks = {}  # the objective's extra networks: copies of the student, as the loop starts them from the teacher
+    networks = {}  # the objective's extra networks: flow-matching networks of the student's size (teacher, fake score)
     for name, network in getattr(objective, "networks", {}).items():
-        networks[name] = copy.deepcopy(model).requires_grad_(network.trainable)
+        with torch.device(device):
+            networks[name] = build(time_inputs=1).requires_grad_(network.trainable)
         if network.trainable:
             params = params + list(networks[name].parameters())
             opts.append(torch.optim.AdamW(networks[name].parameters(), lr=1e-4, fused=fused))

@@ -10,7 +10,8 @@ the loop relies on is written down in flm.objectives.protocol (Objective, Networ
 
 Every objective is an nn.Module (parameters: only sCM's adaptive weighting; state_dict for the
 checkpoint) with `time_inputs` (1, or 2 for MeanFlow's (t, r)), `sample_steps` (its sampler's default),
-`networks` (what it needs besides the model: sCD's and rCM's teacher and fake score, flm.objectives.distillation),
+`networks` (what it needs besides the model: the distilled students' teacher and fake score, flm.objectives.distillation
+and flm.objectives.dmd),
 `loss(model, x, y=None, *, step=0) -> (loss, metrics)` (step: an int, or a 0-dim tensor on the device
 when the step is a CUDA graph) and `sample(model, noise, y=None, *, steps, cfg_scale=1.0, generators=None) -> x`;
 `generators` (one torch.Generator per image) feed any noise a sampler draws after `noise` (sCM's
@@ -21,10 +22,17 @@ from flm.objectives.consistency import SCM
 from flm.objectives.distillation import RCM, SCD
 from flm.objectives.flow_matching import FlowMatching
 from flm.objectives.jvp import JVP_MODES
-from flm.objectives.meanflow import MeanFlow
+from flm.objectives.meanflow import MeanFlow, MeanFlowDMD
 from flm.objectives.protocol import NO_NETWORKS, Network, Objective
 
-OBJECTIVES = {"flow_matching": FlowMatching, "meanflow": MeanFlow, "scm": SCM, "scd": SCD, "rcm": RCM}
+OBJECTIVES = {
+    "flow_matching": FlowMatching,
+    "meanflow": MeanFlow,
+    "scm": SCM,
+    "scd": SCD,
+    "rcm": RCM,
+    "meanflow_dmd": MeanFlowDMD,
+}
 
 
 def build_objective(name: str, **kwargs) -> Objective:
@@ -43,6 +51,7 @@ __all__ = [
     "SCM",
     "FlowMatching",
     "MeanFlow",
+    "MeanFlowDMD",
     "Network",
     "Objective",
     "build_objective",

@@ -17,18 +17,9 @@ sin(t) x; the teacher's velocity carries its classifier-free guidance (teacher_c
 student thereby learns to produce at cfg_scale = 1. Labels dropped to the null class get the unguided
 null velocity.
 
-rCM: sCD's loss plus dmd_weight times the DMD surrogate on the student's one-step samples
-x_g = f(sigma_d eps, t_max):
-
-    x_s = (1 - s) x_g + s eps',   s ~ logit-normal(dmd_t_mean, dmd_t_std)
-    x_real = x_s - s v_teacher(x_s, s),   x_fake = x_s - s v_fake(x_s, s)          (x-predictions, no gradient)
-    grad = (x_fake - x_real) / mean|x_g - x_real|                                   (DMD's normalisation)
-    L_dmd = ||x_g - sg(x_g - grad)||^2 / (2 D),   whose gradient in x_g is grad / D
-
-and a fake-score network (also the teacher at the start) trained online by flow matching on sg(x_g):
-||v_fake(x_s, s) - (eps' - x_g)||^2. The two alternate: `fake_updates` fake-score steps, then one
-student step (`phase`; the loss returns {"fake_score": ...} or {"model": ...}, flm.objectives.protocol). The
-fake score has its own optimizer (fake_lr) and is saved in the checkpoint; the teacher is not.
+rCM: sCD's loss plus dmd_weight times DMD's score regulariser on the student's one-step samples
+x_g = f(sigma_d eps, t_max), with a fake-score network trained online on them (flm.objectives.dmd, which
+MeanFlow's student shares: flm.objectives.meanflow.MeanFlowDMD).
 
     from flm.objectives import SCD, RCM
     scd = SCD(teacher="outputs/fm-run", teacher_cfg_scale=2.0)   # the loop builds scd.networks
@@ -37,14 +28,13 @@ fake score has its own optimizer (fake_lr) and is saved in the checkpoint; the t
 """
 
 import functools
-import math
 
 import torch
 
 from flm.objectives.consistency import SCM
+from flm.objectives.dmd import DMDRegularised
 from flm.objectives.guidance import drop_labels, guided
-from flm.objectives.checks import check_std
-from flm.objectives.paths import LinearPath, bcast, logit_normal, lognormal_trigflow
+from flm.objectives.paths import lognormal_trigflow
 from flm.objectives.protocol import Network
 from flm.objectives.teacher import flow_time, load_teacher, teacher_velocity, trigflow_velocity
 
@@ -95,75 +85,13 @@ class SCD(SCM):
         return self.consistency_loss(model, x_t, t, self.teacher_dxdt(teacher, x_t, t, y), y, step)
 
 
-class RCM(SCD):
-    """rCM: sCD plus the DMD score regulariser, with an online fake-score network.
+class RCM(DMDRegularised, SCD):
+    """rCM: sCD plus the DMD score regulariser (flm.objectives.dmd), with an online fake-score network.
 
-    Args:
-        teacher, teacher_cfg_scale: as SCD's (the DMD's real score is the guided teacher too).
-        dmd_weight: weight of the DMD surrogate in the student's loss.
-        dmd_t_mean, dmd_t_std: logit-normal time of the noised student samples (DMD and fake score).
-        fake_updates: fake-score updates per student update (they alternate, the fake score first).
-        fake_lr: the fake score's learning rate (its other optimizer settings are optim.*'s).
-        **kwargs: SCM's.
+    Args: DMDRegularised's (dmd_weight, dmd_t_mean, dmd_t_std, fake_updates, fake_lr) and SCD's (teacher,
+    teacher_cfg_scale: the DMD's real score is the guided teacher too, and sCM's).
     """
-
-    def __init__(
-        self,
-        *,
-        teacher: str,
-        teacher_cfg_scale: float = 1.0,
-        dmd_weight: float = 0.01,
-        dmd_t_mean: float = 0.0,
-        dmd_t_std: float = 1.0,
-        fake_updates: int = 1,
-        fake_lr: float = 1e-4,
-        **kwargs,
-    ):
-        super().__init__(teacher=teacher, teacher_cfg_scale=teacher_cfg_scale, **kwargs)
-        check_std("dmd_t_std", dmd_t_std)
-        if dmd_weight < 0 or not (isinstance(fake_updates, int) and fake_updates >= 1):
-            raise ValueError(
-                f"rCM needs dmd_weight >= 0 and an integer fake_updates >= 1, got {dmd_weight!r} and {fake_updates!r}"
-            )
-        if not 0 < fake_lr < math.inf:
-            raise ValueError(f"fake_lr must be a finite number > 0, got {fake_lr!r}")
-        self.dmd_weight, self.dmd_t_mean, self.dmd_t_std = dmd_weight, dmd_t_mean, dmd_t_std
-        self.fake_updates = fake_updates
-        build = functools.partial(load_teacher, self.teacher)
-        self.networks = {
-            "teacher": Network(build=build, model_init=True),
-            "fake_score": Network(build=build, trainable=True, optim={"lr": fake_lr}),
-        }
-
-    def phase(self, step: int) -> str:
-        """The network step `step` updates: fake_updates fake-score steps, then a student step, and again."""
-        return "fake_score" if int(step) % (self.fake_updates + 1) < self.fake_updates else "model"
 
     def generate(self, model, x, y):
         """The student's one-step samples x_g = f(sigma_d eps, t_max), with the model's gradient."""
         return self.consistency_fn(model, self.sigma_d * torch.randn_like(x), self.t_max, y)
-
-    def noised(self, x_g):
-        """x_s on the flow-matching path from x_g, with its time s and conditional velocity eps - x_g."""
-        s = logit_normal(x_g.shape[0], self.dmd_t_mean, self.dmd_t_std, device=x_g.device)
-        return LinearPath().sample(x_g, torch.randn_like(x_g), s)
-
-    def loss(self, model, x, y=None, *, step=0, phase=None, teacher, fake_score):
-        if (phase or self.phase(step)) == "fake_score":
-            with torch.no_grad():
-                x_g = self.generate(model, x, y)
-            p = self.noised(x_g)
-            fake_loss = (fake_score(p.x_t, p.t, None, y).float() - p.dx_t).square().mean()
-            return {"fake_score": fake_loss}, {"fake_loss": fake_loss.detach()}
-
-        scd_loss, metrics = super().loss(model, x, y, step=step, teacher=teacher)
-        x_g = self.generate(model, x, y).float()
-        p = self.noised(x_g.detach())
-        with torch.no_grad():
-            s = bcast(p.t, x_g)
-            x_real = p.x_t - s * teacher_velocity(teacher, p.x_t, p.t, y, self.teacher_cfg_scale)
-            x_fake = p.x_t - s * fake_score(p.x_t, p.t, None, y).float()
-            grad = (x_fake - x_real) / bcast((x_g - x_real).abs().flatten(1).mean(1), x_g)
-        dmd = 0.5 * (x_g - (x_g - grad).detach()).square().mean()
-        loss = scd_loss + self.dmd_weight * dmd
-        return {"model": loss}, {**metrics, "loss": loss.detach(), "dmd": dmd.detach()}

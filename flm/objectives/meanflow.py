@@ -41,6 +41,7 @@ from torch import nn
 from flm.objectives.guidance import check_cfg, check_interval, drop_labels, guided, in_interval, null_labels, num_classes
 from flm.objectives.jvp import check_jvp_mode, jvp
 from flm.objectives.checks import check_probability, check_std
+from flm.objectives.dmd import DMDRegularised
 from flm.objectives.paths import LinearPath, bcast, logit_normal, time_grid
 from flm.objectives.protocol import NO_NETWORKS, Network
 from flm.objectives.teacher import load_teacher, teacher_velocity
@@ -194,3 +195,22 @@ class MeanFlow(nn.Module):
             u = guided(model, z, t.expand(n), r.expand(n), y, cfg_scale, self.cfg_interval).float()
             z = z - (t - r) * u
         return z
+
+
+class MeanFlowDMD(DMDRegularised, MeanFlow):
+    """MeanFlow distilled from a teacher (MeanFlow's teacher option) plus the DMD score regulariser on its
+    one-step samples x_g = eps - u(eps, 0, 1).
+
+    Args: DMDRegularised's and MeanFlow's; teacher is required.
+    """
+
+    def __init__(self, *, teacher: str, **kwargs):
+        if not teacher:
+            raise ValueError("objective.teacher is not set; pass objective.teacher=<flow-matching run folder or .pt>")
+        super().__init__(teacher=str(teacher), **kwargs)
+
+    def generate(self, model, x, y):
+        """The one-step sampler on fresh noise (t = 1 to r = 0), with the model's gradient."""
+        eps = torch.randn_like(x)
+        n = x.shape[0]
+        return eps - model(eps, eps.new_ones(n), eps.new_zeros(n), y)

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from flm.objectives import RCM, SCD, MeanFlow, build_objective
+from flm.objectives import RCM, SCD, MeanFlow, MeanFlowDMD, build_objective
 from flm.objectives.teacher import flow_time, trigflow_velocity
 from tests.models.tiny import plain_layers, tiny_dit, with_backend
 from tests.objectives.test_jvp_modes import SETUPS
@@ -56,23 +56,24 @@ def test_scd_from_an_exact_teacher_has_a_zero_target_at_the_start():
 
 
 def _student_step(name, backend, mode, plain=False):
-    kwargs = {"teacher": "unused", "jvp_mode": mode, "warmup_steps": 4, "teacher_cfg_scale": 1.5}
+    kwargs = {"teacher": "unused", "jvp_mode": mode, "teacher_cfg_scale": 1.5}
+    kwargs |= {"r_neq_t": 1.0, "label_dropout": 0.0} if name == "meanflow_dmd" else {"warmup_steps": 4}
     objective = build_objective(name, **kwargs)
-    student = with_backend(tiny_dit(seed=1), backend)
+    student = with_backend(tiny_dit(time_inputs=objective.time_inputs, seed=1), backend)
     networks = {"teacher": tiny_dit(seed=2).requires_grad_(False)}
-    if name == "rcm":
+    if name in ("rcm", "meanflow_dmd"):
         networks["fake_score"] = tiny_dit(seed=3).requires_grad_(False)
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(4, 3, 8, 8, generator=g), torch.tensor([0, 3, 7, 9])
     torch.manual_seed(1)
     with plain_layers() if plain else contextlib.nullcontext():
         loss, metrics = objective.loss(student, x, y, step=3, **networks)  # rCM: step 3 updates the student
-    loss = loss["model"] if name == "rcm" else loss
+    loss = loss["model"] if isinstance(loss, dict) else loss
     params = list(student.parameters()) + list(objective.parameters())
     return loss.detach(), torch.autograd.grad(loss, params, allow_unused=True)
 
 
-@pytest.mark.parametrize("name", ["scd", "rcm"])
+@pytest.mark.parametrize("name", ["scd", "rcm", "meanflow_dmd"])
 def test_student_gradients_agree_across_jvp_modes_and_the_fused_attention(name):
     loss_ref, grads_ref = _student_step(name, "math", "two_pass", plain=True)
     assert sum(g.norm() for g in grads_ref if g is not None) > 1e-2
@@ -102,17 +103,49 @@ def test_rcm_alternates_fake_score_and_student_updates():
             assert any(gi is not None for gi in g) == (name == updated), (step, name)
 
 
-def test_the_dmd_gradient_vanishes_when_the_fake_score_is_the_teacher():
-    """grad = x_fake - x_real (normalised) is zero when both scores agree: rCM's loss is then sCD's."""
-    rcm, scd = RCM(teacher="unused", dmd_weight=1.0), SCD(teacher="unused")
-    student, teacher = tiny_dit(seed=1), tiny_dit(seed=2).requires_grad_(False)
+@pytest.mark.parametrize("fake_updates", [1, 0])
+@pytest.mark.parametrize("regularised, plain", [(RCM, SCD), (MeanFlowDMD, MeanFlow)])
+def test_the_dmd_gradient_vanishes_when_the_fake_score_is_the_teacher(regularised, plain, fake_updates):
+    """grad = x_fake - x_real (normalised) is zero when both scores agree: rCM's loss is then sCD's, and
+    MeanFlow + DMD's that of MeanFlow with the teacher."""
+    dmd, base = regularised(teacher="unused", dmd_weight=1.0, fake_updates=fake_updates), plain(teacher="unused")
+    student, teacher = tiny_dit(time_inputs=base.time_inputs, seed=1), tiny_dit(seed=2).requires_grad_(False)
     x, y = torch.randn(2, 3, 8, 8), torch.tensor([0, 1])
     torch.manual_seed(0)
-    losses, metrics = rcm.loss(student, x, y, step=1, teacher=teacher, fake_score=copy.deepcopy(teacher))
+    losses, metrics = dmd.loss(student, x, y, step=1, teacher=teacher, fake_score=copy.deepcopy(teacher))
     torch.manual_seed(0)
-    scd_loss, _ = scd.loss(student, x, y, step=1, teacher=teacher)
+    base_loss, _ = base.loss(student, x, y, step=1, teacher=teacher)
     assert metrics["dmd"] == 0
-    torch.testing.assert_close(losses["model"], scd_loss)
+    torch.testing.assert_close(losses["model"], base_loss)
+
+
+@pytest.mark.parametrize("regularised", [RCM, MeanFlowDMD])
+def test_fake_updates_0_trains_the_fake_score_in_the_students_step(regularised):
+    """Every step updates both networks; each loss reaches its own network only, and the DMD term the student."""
+    objective = regularised(teacher="unused", dmd_weight=1.0, fake_updates=0)
+    student = tiny_dit(time_inputs=objective.time_inputs, seed=1)
+    teacher, fake = tiny_dit(seed=2).requires_grad_(False), tiny_dit(seed=3)
+    x, y = torch.randn(2, 3, 8, 8), torch.tensor([0, 1])
+    for step in range(3):
+        assert objective.phase(step) == "model"
+        losses, metrics = objective.loss(student, x, y, step=step, teacher=teacher, fake_score=fake)
+        assert sorted(losses) == ["fake_score", "model"] and metrics["dmd"] > 0
+        for name, own, other in [("model", student, fake), ("fake_score", fake, student)]:
+            own_grads = torch.autograd.grad(losses[name], list(own.parameters()), allow_unused=True, retain_graph=True)
+            other_grads = torch.autograd.grad(losses[name], list(other.parameters()), allow_unused=True, retain_graph=True)
+            assert any(g is not None and g.abs().sum() > 0 for g in own_grads), name
+            assert all(g is None for g in other_grads), name
+
+
+def test_the_meanflow_students_generator_is_its_one_step_sampler():
+    objective = MeanFlowDMD(teacher="unused")
+    student, x, y = tiny_dit(time_inputs=2, seed=1), torch.randn(2, 3, 8, 8), torch.tensor([0, 1])
+    torch.manual_seed(0)
+    x_g = objective.generate(student, x, y)
+    torch.manual_seed(0)
+    expected = objective.sample(student, torch.randn_like(x), y, steps=1)
+    assert x_g.requires_grad
+    torch.testing.assert_close(x_g.detach(), expected)
 
 
 def test_meanflow_with_a_teacher_regresses_on_the_teachers_velocity():
@@ -135,13 +168,15 @@ def test_meanflow_with_a_teacher_regresses_on_the_teachers_velocity():
     [
         ({"teacher": ""}, "objective.teacher is not set"),
         ({"teacher": "t", "teacher_cfg_scale": 0.5}, "teacher_cfg_scale must be >= 1.0"),
-        ({"teacher": "t", "fake_updates": 0}, "fake_updates >= 1"),
+        ({"teacher": "t", "fake_updates": -1}, "fake_updates >= 0"),
+        ({"teacher": "t", "dmd_weight": -1.0}, "dmd_weight >= 0"),
         ({"teacher": "t", "fake_lr": 0.0}, "fake_lr must be"),
     ],
 )
-def test_bad_options_are_refused(kwargs, message):
+@pytest.mark.parametrize("regularised", [RCM, MeanFlowDMD])
+def test_bad_options_are_refused(regularised, kwargs, message):
     with pytest.raises(ValueError, match=message):
-        RCM(**kwargs)
+        regularised(**kwargs)
 
 
 def test_meanflow_refuses_a_teacher_with_guidance_in_training():

@@ -67,15 +67,15 @@ def test_the_teacher_stays_frozen_and_the_student_starts_from_it(tmp_path, teach
         torch.testing.assert_close(student["ema"]["0.9"][k], v, rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("name", ["scd", "rcm", "meanflow_distill"])
+@pytest.mark.parametrize("name", ["scd", "rcm", "meanflow_distill", "meanflow_dmd"])
 def test_stop_and_resume_is_bit_exact_with_every_network(tmp_path, teacher, train_run, name):
-    common = objective_of(name, teacher) + STUDENT[:2] + (["objective.warmup_steps=2"] if name != "meanflow_distill" else [])
+    common = objective_of(name, teacher) + STUDENT[:2] + (["objective.warmup_steps=2"] if name in ("scd", "rcm") else [])
     common += ["trainer.grad_accum=2", "trainer.log_every=1"]
     train_run(tmp_path / "whole", common)
     train_run(tmp_path / "split", common + ["trainer.max_steps=2"])
     train_run(tmp_path / "split", common + ["trainer.resume=auto"])
     whole, split = (checkpoint.load(str(tmp_path / run / "checkpoints" / "ckpt-00000004.pt")) for run in ("whole", "split"))
-    assert ("fake_score.optimizer" in whole) == (name == "rcm") and "teacher" not in whole
+    assert ("fake_score.optimizer" in whole) == (name in ("rcm", "meanflow_dmd")) and "teacher" not in whole
     for key in set(whole) - {"config"}:
         assert_same_state(whole[key], split[key], key)
     metrics = [json.loads(line) for line in open(tmp_path / "whole" / "metrics.jsonl")]
@@ -83,6 +83,8 @@ def test_stop_and_resume_is_bit_exact_with_every_network(tmp_path, teacher, trai
         assert ["fake_loss" in m for m in metrics] == [True, False, True, False]
         assert ["dmd" in m and "grad_norm" in m for m in metrics] == [False, True, False, True]
         assert "fake_score.grad_norm" in metrics[0]
+    if name == "meanflow_dmd":  # fake_updates 0: every step updates both
+        assert all("fake_loss" in m and "dmd" in m and "fake_score.grad_norm" in m for m in metrics)
 
 
 def test_a_student_samples_without_its_teachers_file(tmp_path, teacher, train_run):

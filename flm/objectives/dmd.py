@@ -1,0 +1,102 @@
+"""DMD's score regulariser (distribution matching distillation, Yin et al. 2024) for a distilled few-step
+student, with the online fake-score network it needs: rCM (sCD + DMD, flm.objectives.distillation.RCM)
+and MeanFlow + DMD (flm.objectives.distillation.MeanFlowDMD) share it.
+
+On the student's one-step samples x_g (its `generate`, with the model's gradient), in flow-matching time:
+
+    x_s = (1 - s) x_g + s eps',   s ~ logit-normal(dmd_t_mean, dmd_t_std)
+    x_real = x_s - s v_teacher(x_s, s),   x_fake = x_s - s v_fake(x_s, s)          (x-predictions, no gradient)
+    grad = (x_fake - x_real) / mean|x_g - x_real|                                   (DMD's normalisation)
+    L_dmd = ||x_g - sg(x_g - grad)||^2 / (2 D),   whose gradient in x_g is grad / D
+
+added to the student's loss times dmd_weight. The fake score (the teacher at the start) learns the
+student's distribution by flow matching on sg(x_g): ||v_fake(x_s, s) - (eps' - x_g)||^2, either in steps of
+its own (`fake_updates` >= 1 of them, then one student step: `phase`) or, with fake_updates = 0, in the
+student's step itself, from the same forward pass at x_s whose value the DMD gradient uses. The fake score
+has its own optimizer (fake_lr) and is saved in the checkpoint; the teacher is not.
+"""
+
+import functools
+import math
+
+import torch
+
+from flm.objectives.checks import check_std
+from flm.objectives.paths import LinearPath, bcast, logit_normal
+from flm.objectives.protocol import Network
+from flm.objectives.teacher import load_teacher, teacher_velocity
+
+
+class DMDRegularised:
+    """Mixin before a distillation objective (one with a `teacher` network and a loss(model, x, y, *, step,
+    teacher)): adds the DMD term, the fake-score network and the alternation. The class that mixes it in
+    defines generate(model, x, y): the student's one-step samples from fresh noise, shaped like x, with the
+    model's gradient.
+
+    Args:
+        dmd_weight: weight of the DMD surrogate in the student's loss.
+        dmd_t_mean, dmd_t_std: logit-normal time of the noised student samples (DMD and fake score).
+        fake_updates: fake-score updates per student update (they alternate, the fake score first); 0 updates
+            the fake score in every student step instead, at no extra student forward.
+        fake_lr: the fake score's learning rate (its other optimizer settings are optim.*'s).
+        **kwargs: the distillation objective's (teacher, teacher_cfg_scale, ...).
+    """
+
+    def __init__(
+        self,
+        *,
+        dmd_weight: float = 0.01,
+        dmd_t_mean: float = 0.0,
+        dmd_t_std: float = 1.0,
+        fake_updates: int = 1,
+        fake_lr: float = 1e-4,
+        **kwargs,
+    ):
+        super().__init__(**kwargs)
+        check_std("dmd_t_std", dmd_t_std)
+        if not (dmd_weight >= 0 and isinstance(fake_updates, int) and fake_updates >= 0):
+            raise ValueError(
+                f"DMD needs dmd_weight >= 0 and an integer fake_updates >= 0 (0: the fake score updates in the "
+                f"student's step), got {dmd_weight!r} and {fake_updates!r}"
+            )
+        if not 0 < fake_lr < math.inf:
+            raise ValueError(f"fake_lr must be a finite number > 0, got {fake_lr!r}")
+        self.dmd_weight, self.dmd_t_mean, self.dmd_t_std = dmd_weight, dmd_t_mean, dmd_t_std
+        self.fake_updates = fake_updates
+        build = functools.partial(load_teacher, self.teacher)
+        self.networks = {**self.networks, "fake_score": Network(build=build, trainable=True, optim={"lr": fake_lr})}
+
+    def phase(self, step: int) -> str:
+        """The network step `step` updates: fake_updates fake-score steps, then a student step, and again."""
+        return "fake_score" if int(step) % (self.fake_updates + 1) < self.fake_updates else "model"
+
+    def noised(self, x_g):
+        """x_s on the flow-matching path from x_g, with its time s and conditional velocity eps' - x_g."""
+        s = logit_normal(x_g.shape[0], self.dmd_t_mean, self.dmd_t_std, device=x_g.device)
+        return LinearPath().sample(x_g, torch.randn_like(x_g), s)
+
+    def loss(self, model, x, y=None, *, step=0, phase=None, teacher, fake_score):
+        if (phase or self.phase(step)) == "fake_score":
+            with torch.no_grad():
+                x_g = self.generate(model, x, y)
+            p = self.noised(x_g.float())
+            fake_loss = (fake_score(p.x_t, p.t, None, y).float() - p.dx_t).square().mean()
+            return {"fake_score": fake_loss}, {"fake_loss": fake_loss.detach()}
+
+        student_loss, metrics = super().loss(model, x, y, step=step, teacher=teacher)
+        x_g = self.generate(model, x, y).float()
+        p = self.noised(x_g.detach())
+        s = bcast(p.t, x_g)
+        with torch.no_grad():
+            x_real = p.x_t - s * teacher_velocity(teacher, p.x_t, p.t, y, self.teacher_cfg_scale)
+        with torch.set_grad_enabled(self.fake_updates == 0):  # fake_updates 0: this forward trains it too
+            v_fake = fake_score(p.x_t, p.t, None, y).float()
+        x_fake = p.x_t - s * v_fake.detach()
+        grad = (x_fake - x_real) / bcast((x_g.detach() - x_real).abs().flatten(1).mean(1), x_g)
+        dmd = 0.5 * (x_g - (x_g - grad).detach()).square().mean()
+        loss = student_loss + self.dmd_weight * dmd
+        losses, metrics = {"model": loss}, {**metrics, "loss": loss.detach(), "dmd": dmd.detach()}
+        if self.fake_updates == 0:
+            fake_loss = (v_fake - p.dx_t).square().mean()
+            losses["fake_score"], metrics["fake_loss"] = fake_loss, fake_loss.detach()
+        return losses, metrics
