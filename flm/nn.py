@@ -45,9 +45,9 @@ def _sum_to(g: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return g.sum_to_size(like.shape).to(like.dtype)
 
 
-def _signed(cls):
-    """The Function with its forward's signature stored on it: Function.apply binds the arguments to that
-    signature on every call, and inspect builds it anew each time unless `__signature__` is set (about a
+def signed(cls):
+    """The autograd Function with its forward's signature stored on it: Function.apply binds the arguments to
+    that signature on every call, and inspect builds it anew each time unless `__signature__` is set (about a
     tenth of the host time of an eager JVP step through 12 DiT blocks on the CPU)."""
     cls.forward.__signature__ = inspect.signature(cls.forward)
     return cls
@@ -82,7 +82,7 @@ def _autocast(*tensors):
 # --------------------------------------------------------------------------------------------
 
 
-@_signed
+@signed
 class _Linear(torch.autograd.Function):
     @staticmethod
     def forward(x, weight, bias):
@@ -146,7 +146,7 @@ def _ln_vjp(g, x, mean, rstd):
     return torch.ops.aten.native_layer_norm_backward(g, x, (x.shape[-1],), mean, rstd, None, None, (True, False, False))[0]
 
 
-@_signed
+@signed
 class _LayerNorm(torch.autograd.Function):
     # forward also returns mean and rstd (non-differentiable) so that backward and jvp reuse them
     @staticmethod
@@ -234,7 +234,7 @@ _ACTIVATIONS = {
 }
 
 
-@_signed
+@signed
 class _Activation(torch.autograd.Function):
     @staticmethod
     def forward(x, name):
@@ -278,7 +278,7 @@ def silu(x: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------
 
 
-@_signed
+@signed
 class _GatedResidual(torch.autograd.Function):
     @staticmethod
     def forward(x, gate, h):

@@ -26,6 +26,7 @@ from flm.attention.flash import unsupported as fa2_unsupported
 from flm.attention.inputs import unpack_duals
 from flm.kernels.attention_bwd import attention_bwd as triton_bwd
 from flm.kernels.attention_fwd import attention_fwd, check_head_dim, interpreted
+from flm.nn import signed
 
 # ---------------------------------------------------------------------------------------------
 # Backward implementations: (do, q, k, v, o, lse, causal, scale) -> (dq, dk, dv)
@@ -242,6 +243,7 @@ def _backward(ctx, do, bias_grad: bool):
     return dq, dk, dv, dbias if bias_grad else None
 
 
+@signed  # _AttentionWithJVP shares its forward, and with it the stored signature
 class _Attention(torch.autograd.Function):
     """o = attention(q, k, v, bias, key_padding_mask); backward by FlashAttention (flm's Triton backward
     with a bias or mask)."""
@@ -285,6 +287,7 @@ class _AttentionWithJVP(_Attention):
         return to, None
 
 
+@signed
 class _JVPAttention(torch.autograd.Function):
     """(o, to) from one fused launch; o differentiable (FlashAttention backward, or flm's Triton
     backward with a bias or mask), to not."""
