@@ -6,6 +6,7 @@ import json
 import pathlib
 
 import pytest
+import torch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -83,3 +84,24 @@ def test_latent_run_times_prepare_and_train_on_the_cpu(tmp_path):
     assert result["images"] == 16 and result["latent_shape"] == [4, 16, 16]
     assert result["prepare_s"] > 0 and result["step_ms"] > 0 and result["steps_per_s"] == pytest.approx(1000 / result["step_ms"])
     assert "| train.py | DiT-T/2, meanflow" in (tmp_path / "result.md").read_text()
+
+
+def test_meanflow_errors_bins_the_intervals_and_shares_the_gradient():
+    """Samples land in the bin of their t - r (the last bin closed); each bin's share is its part of the summed
+    per-sample gradient norms 2 w ||err||, with MeanFlow's adaptive weight."""
+    from flm.objectives import MeanFlow
+
+    errors = load("meanflow_errors")
+    objective = MeanFlow(adaptive_p=1.0, adaptive_c=1e-3)
+    t = torch.tensor([0.5, 0.9, 1.0, 1.0])
+    r = torch.tensor([0.48, 0.75, 0.2, 0.0])  # t - r: 0.02, 0.15, 0.8, 1.0
+    err = torch.stack([torch.full((2, 2), e) for e in (0.1, 0.2, 1.0, 2.0)])
+    rows = errors.interval_table(t, r, err, objective, edges=(0.0, 0.1, 0.7, 1.0))
+    assert [row["n"] for row in rows] == [1, 1, 2]
+    sq = torch.tensor([0.04, 0.16, 4.0, 16.0])
+    grad = 2 * sq.sqrt() / (sq + 1e-3)
+    expected = [grad[0], grad[1], grad[2] + grad[3]]
+    for row, g in zip(rows, expected):
+        assert row["grad_share"] == pytest.approx(float(g / grad.sum()), rel=1e-5)
+    assert rows[2]["mse"] == pytest.approx((4.0 + 16.0) / 2 / 4, rel=1e-6)
+    assert "| [0.7, 1] | 2 |" in errors.markdown(rows)

@@ -153,7 +153,8 @@ class MeanFlow(nn.Module):
         keep = bcast((y_in == null_labels(model, y)) | ~in_interval(t, self.cfg_interval), v)
         return torch.where(keep, s.dx_t, v)
 
-    def loss(self, model, x, y=None, *, step: int = 0, teacher=None):
+    def errors(self, model, x, y=None, *, teacher=None):
+        """(t, r, u - sg(u_tgt)) of a batch: each sample's times and its error against the target (eq. 8), fp32."""
         y_in = drop_labels(model, y, self.label_dropout)
         t, r = self.sample_times(x.shape[0], x.device)
         s = self.path.sample(x, torch.randn_like(x), t)
@@ -170,10 +171,16 @@ class MeanFlow(nn.Module):
         # u and du/dt along (dz, dr, dt) = (v, 0, 1) (eq. 8; dz = sg(u(z_t, t, t)) for tangent="model"): r has none
         u, dudt = jvp(lambda z, t_: model(z, t_, r, y_in), (s.x_t, t), (dz, torch.ones_like(t)), mode=self.jvp_mode)
         u_tgt = (v - bcast(t - r, v) * dudt.float()).detach()
-        err = u.float() - u_tgt
+        return t, r, u.float() - u_tgt
+
+    def adaptive_weight(self, sq):
+        """sg(w) = 1 / (||u - u_tgt||^2 + c)^p per sample (section 4.3), from sq = ||u - u_tgt||^2."""
+        return (sq.detach() + self.adaptive_c).pow(-self.adaptive_p)
+
+    def loss(self, model, x, y=None, *, step: int = 0, teacher=None):
+        _, _, err = self.errors(model, x, y, teacher=teacher)
         sq = err.square().flatten(1).sum(1)  # ||u - u_tgt||^2 per sample
-        w = (sq.detach() + self.adaptive_c).pow(-self.adaptive_p)  # sg(adaptive weight)
-        loss = (w * sq).mean()
+        loss = (self.adaptive_weight(sq) * sq).mean()
         return loss, {"loss": loss.detach(), "mse": sq.detach().mean() / err[0].numel()}
 
     @torch.no_grad()
