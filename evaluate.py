@@ -17,14 +17,13 @@ table and writes a JSON (default <run folder>/eval/<checkpoint>-<weights>-cfg<s>
 Bad input ends with one line `error: ...` and exit code 1.
 """
 
-import dataclasses
 import os
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from flm import dist
-from flm.data import DataConfig
+from flm.data import DataConfig, stored_data
 from flm.files import write_json
 from flm.latents import decoder_of, reference_source
 from flm.cli import report_user_errors
@@ -38,10 +37,7 @@ def run_data(run_cfg: dict, root: str | None) -> DataConfig:
     run, the images its latents were encoded from."""
     if run_cfg.get("latents"):
         return DataConfig(**reference_source(run_cfg["latents"], root))
-    stored = run_cfg.get("data") or {}
-    known = {f.name for f in dataclasses.fields(DataConfig)}
-    data = DataConfig(**{k: v for k, v in stored.items() if k in known})
-    return dataclasses.replace(data, root=root) if root else data
+    return stored_data(run_cfg.get("data"), root)
 
 
 def table(results: dict, steps: list[int]) -> str:

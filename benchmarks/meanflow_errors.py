@@ -13,11 +13,10 @@ The times, noise and labels are drawn as in training (the objective's own sample
 
 import argparse
 import dataclasses
-import math
 
 import torch
 
-from flm.data import DataConfig
+from flm.data import stored_data
 from flm.objectives import MeanFlow
 from flm.objectives.teacher import load_teacher
 from flm.train.generator import load_generator, open_generator
@@ -49,16 +48,14 @@ def interval_table(t, r, err, objective: MeanFlow, edges=EDGES) -> list[dict]:
     for i, (lo, hi) in enumerate(zip(edges[:-1], edges[1:])):
         last = i == len(edges) - 2
         inside = (gap >= lo) & ((gap <= hi) if last else (gap < hi))
-        n = int(inside.sum())
-        pick = lambda v: float(v[inside].mean()) if n else math.nan  # noqa: E731
         rows.append(
             {
                 "interval": f"[{lo:g}, {hi:g}{']' if last else ')'}",
-                "n": n,
-                "mse": pick(sq) / err[0].numel() if n else math.nan,
-                "weight": pick(w),
-                "loss": pick(w * sq),
-                "grad_share": float(grad[inside].sum() / total) if n else 0.0,
+                "n": int(inside.sum()),
+                "mse": float(sq[inside].mean()) / err[0].numel(),  # an empty bin's means are nan
+                "weight": float(w[inside].mean()),
+                "loss": float((w * sq)[inside].mean()),
+                "grad_share": float(grad[inside].sum() / total),
             }
         )
     return rows
@@ -88,10 +85,8 @@ def main(argv=None):
     teacher = None
     if teacher_path:
         teacher = load_teacher(teacher_path, {**bundle["model_args"], "attention": "auto"}).to(device).eval()
-    section = dict((bundle.get("config") or {}).get("data") or {})
-    section.pop("_target_", None)
-    data = dataclasses.replace(DataConfig(**section), download=False, **({"root": args.data_root} if args.data_root else {}))
-    dataset = data.build()
+    data = stored_data((bundle.get("config") or {}).get("data"), args.data_root)
+    dataset = dataclasses.replace(data, download=False).build()
     torch.manual_seed(args.seed)
     parts = []
     with torch.no_grad():  # forward-mode AD works without the graph of reverse mode

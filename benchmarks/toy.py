@@ -278,8 +278,8 @@ def fit(
     opt = torch.optim.Adam(list(model.parameters()) + list(objective.parameters()), lr=lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, lr_warmup)))
     networks, optimizers = {}, {"model": (model, opt)}
+    fresh = lambda: ToyNet(1, time_scale, hidden, depth, dim)  # noqa: E731
     for name, network in declared.items():
-        fresh = lambda: ToyNet(1, time_scale, hidden, depth, dim)  # noqa: E731
         networks[name] = fake_score_start(teacher, model, teacher_steps, fresh) if network.trainable else teacher
         if network.trainable:
             optimizers[name] = (networks[name], torch.optim.Adam(networks[name].parameters(), **{"lr": lr, **network.optim}))

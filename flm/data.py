@@ -14,6 +14,7 @@ out, so a resumed run (under any world size) sees exactly the batches it would h
 
 import gzip
 import os
+import dataclasses
 from dataclasses import dataclass
 from importlib import resources
 
@@ -275,6 +276,14 @@ class DataConfig:
         return build_dataset(
             self.name, root=self.root, download=self.download, resolution=self.resolution, channels=self.channels, vae=self.vae
         )
+
+
+def stored_data(stored: dict | None, root: str | None = None) -> DataConfig:
+    """A run's DataConfig from the data section of its stored config (keys DataConfig lacks, such as Hydra's
+    `_target_`, dropped), `root` (when given) overriding its folder."""
+    known = {f.name for f in dataclasses.fields(DataConfig)}
+    data = DataConfig(**{k: v for k, v in (stored or {}).items() if k in known})
+    return dataclasses.replace(data, root=root) if root else data
 
 
 # ----------------------------------------------------------------------------------------------
