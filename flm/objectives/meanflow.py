@@ -56,6 +56,9 @@ class MeanFlow(nn.Module):
     Args:
         t_mean, t_std: logit-normal distribution of t and r (paper: -0.4, 1.0).
         r_neq_t: fraction of samples with r != t (paper: 0.25); the others have r = t (plain FM).
+        r_zero: fraction of samples with r = 0, drawn before r_neq_t applies: the interval [0, t] of a
+            consistency model, whose t = 1 end is the 1-step sampler's. Two logit-normal draws rarely span
+            it (t - r >= 0.7 for ~1 % of samples, docs/quality.md); 0 is the paper's proposal.
         adaptive_p, adaptive_c: adaptive weight 1 / (||err||^2 + c)^p (paper: p = 1.0, c = 1e-3);
             p = 0 is the plain squared error.
         cfg_omega, cfg_kappa: guidance in training (paper eq. 19); 1.0 and 0.0 turn it off.
@@ -82,6 +85,7 @@ class MeanFlow(nn.Module):
         t_mean: float = -0.4,
         t_std: float = 1.0,
         r_neq_t: float = 0.25,
+        r_zero: float = 0.0,
         adaptive_p: float = 1.0,
         adaptive_c: float = 1e-3,
         cfg_omega: float = 1.0,
@@ -101,6 +105,7 @@ class MeanFlow(nn.Module):
             raise ValueError(f"mid_t must be decreasing times in (0, 1) (1 is noise), got {mid_t}")
         self.mid_t = mid_t
         check_probability("r_neq_t", r_neq_t)
+        check_probability("r_zero", r_zero)
         check_probability("label_dropout", label_dropout)
         if adaptive_p < 0 or adaptive_c <= 0:
             raise ValueError(f"adaptive weighting needs p >= 0 and c > 0, got p={adaptive_p!r}, c={adaptive_c!r}")
@@ -109,7 +114,7 @@ class MeanFlow(nn.Module):
                 f"guidance in training needs cfg_omega > 0 and 0 <= cfg_kappa < 1, got "
                 f"cfg_omega={cfg_omega!r}, cfg_kappa={cfg_kappa!r}; 1.0 and 0.0 turn it off"
             )
-        self.t_mean, self.t_std, self.r_neq_t = t_mean, t_std, r_neq_t
+        self.t_mean, self.t_std, self.r_neq_t, self.r_zero = t_mean, t_std, r_neq_t, r_zero
         self.adaptive_p, self.adaptive_c = adaptive_p, adaptive_c
         self.cfg_omega, self.cfg_kappa = cfg_omega, cfg_kappa
         if tangent not in TANGENTS:
@@ -130,11 +135,14 @@ class MeanFlow(nn.Module):
             self.networks = {"teacher": Network(build=functools.partial(load_teacher, teacher), model_init=True)}
 
     def sample_times(self, n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(t, r) with t >= r: two logit-normal draws sorted; a fraction 1 - r_neq_t gets r = t."""
+        """(t, r) with t >= r: two logit-normal draws sorted; a fraction r_zero gets r = 0, and of the others
+        a fraction 1 - r_neq_t gets r = t."""
         a = logit_normal(n, self.t_mean, self.t_std, device=device)
         b = logit_normal(n, self.t_mean, self.t_std, device=device)
         t, r = torch.maximum(a, b), torch.minimum(a, b)
         r = torch.where(torch.rand(n, device=device) < self.r_neq_t, r, t)
+        if self.r_zero:  # no extra draw at 0: the paper's proposal keeps its random stream
+            r = torch.where(torch.rand(n, device=device) < self.r_zero, torch.zeros_like(r), r)
         return t, r
 
     @torch.no_grad()

@@ -59,6 +59,20 @@ def test_sample_times():
     torch.testing.assert_close((r != t).float().mean(), torch.tensor(0.25), atol=0.02, rtol=0)
 
 
+def test_sample_times_r_zero():
+    """r_zero puts that fraction at r = 0 whatever r_neq_t; the rest keep the two-draw proposal, and t is untouched."""
+    torch.manual_seed(0)
+    t0, _ = MeanFlow(r_neq_t=0.0).sample_times(20000, "cpu")
+    torch.manual_seed(0)
+    t, r = MeanFlow(r_neq_t=0.0, r_zero=0.4).sample_times(20000, "cpu")
+    torch.testing.assert_close(t, t0)
+    zero = r == 0
+    torch.testing.assert_close(zero.float().mean(), torch.tensor(0.4), atol=0.02, rtol=0)
+    assert (r[~zero] == t[~zero]).all()
+    with pytest.raises(ValueError, match="r_zero must be a probability"):
+        MeanFlow(r_zero=-0.1)
+
+
 def test_adaptive_weight_gradient():
     """Gradient of sg(w) ||err||^2 is w * grad ||err||^2 with w = 1 / (||err||^2 + c)^p; the
     gradient reaches u only (u_tgt has a stop-gradient): d err / d offset = t, not 2t - r."""
