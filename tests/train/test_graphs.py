@@ -256,7 +256,7 @@ def test_a_graphed_ddp_run_follows_the_eager_ddp_run(tmp_path, train_run, nccl_g
     """The loop under DDP, on one GPU: the eager run wraps the model in DDP (all-reduce from its hooks, no_sync on the
     first micro-batch), the graphed run leaves it plain and averages the gradients in the optimizer. On one rank
     flm does not wrap at all, so here wrap() acts as it does on several."""
-    on_many = lambda parallel, *, cuda_graph: not (parallel == "ddp" and cuda_graph)  # noqa: E731
+    on_many = lambda mode, *, cuda_graph: not (mode == "ddp" and cuda_graph)  # noqa: E731
     monkeypatch.setattr(parallel, "wrapper_syncs", on_many)
     monkeypatch.setattr(loop, "wrapper_syncs", on_many)
     common = [
