@@ -28,11 +28,11 @@ def run_one(run_dir, overrides):
     load_entry("train").run(cfg, str(run_dir))
 
 
-def run_two(tmp, jobs):
+def run_two(tmp, jobs, *worker_args):
     """The jobs ([run_dir, overrides]) in one torchrun launch of two CPU processes."""
     jobs_file = tmp / "jobs.json"
     jobs_file.write_text(json.dumps([[str(d), TINY + COMMON + o] for d, o in jobs]))
-    torchrun(ROOT / "tests" / "train" / "ddp_worker.py", jobs_file)
+    torchrun(ROOT / "tests" / "train" / "ddp_worker.py", jobs_file, *worker_args)
 
 
 @pytest.fixture(scope="module")
@@ -117,6 +117,15 @@ def test_a_replicated_tensor_out_of_sync_under_fsdp2_stops_the_run(runs):
         error
     )
     assert not checkpoint.list_checkpoints(str(runs / "fsdp-skew"))
+
+
+def test_two_unwrapped_processes_train_as_one(runs, tmp_path):
+    """A CUDA-graphed DDP run's communication, on the CPU: the model left unwrapped, every gradient averaged by the
+    optimizer in one flat all-reduce (flm.train.parallel.wrap); the same training as one process."""
+    run_two(tmp_path, [(tmp_path / "unwrapped", ["objective.jvp_mode=dual"])], "unwrapped")
+    assert not (tmp_path / "unwrapped" / "error.txt").exists(), (tmp_path / "unwrapped" / "error.txt").read_text()
+    assert_same_training(final(tmp_path / "unwrapped"), final(runs / "one-dual"))
+    assert logged(tmp_path / "unwrapped") == pytest.approx(logged(runs / "one-dual"), rel=1e-5)
 
 
 def _mean_of_ranks(rank: int, tmp: str) -> None:
