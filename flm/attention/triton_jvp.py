@@ -99,7 +99,7 @@ def torch_cudnn_bwd(do, q, k, v, o, lse, causal, scale):
     """PyTorch's cuDNN attention backward, fed with our O and natural-log lse as the (B, H, Lq, 1) fp32
     statistics that cuDNN's forward returns. cuDNN takes any strides with a unit head-dim stride, but reads
     dO with O's layout."""
-    if do.stride() != o.stride():  # O is a view without the padding columns (head dims like 72)
+    if do.stride() != o.stride():  # O a view without padding columns (head dims like 72), or dO in another layout
         o, do = o.contiguous(), do.contiguous()
     unused = torch.empty((), dtype=torch.int64, device=q.device)  # philox seed and offset: no dropout
     return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
