@@ -15,6 +15,12 @@ velocity sg(u(z_t, t, t)) there instead (one more forward without gradient): the
 (u(z, t, t) is the marginal velocity there) with a less noisy target. The loss stays
 ||u - sg(v - (t - r) du/dt)||^2 = ||u + (t - r) sg(du/dt) - v||^2, the "velocity loss" form.
 
+Interval splitting (`split_above`, off by default): intervals longer than it take the target of two half
+jumps of the model itself, u_tgt = (u(z_t, s, t) + u(z_s, r, s)) / 2 at the midpoint s = (t + r) / 2 with
+z_s = z_t - (t - s) u(z_t, s, t), both without gradient (the interval-splitting consistency of SplitMeanFlow and
+of shortcut models), in place of the identity's v - (t - r) du/dt: a long interval's target is then built from
+shorter ones, not from the derivative of the long one. Two more forwards without gradient per step.
+
 Guidance in training (section 4.2, eqs. 13-19, off by default): v is replaced, in the target and in
 the JVP tangent, by v~ = omega v + kappa u(z_t, t, t | y) + (1 - omega - kappa) u(z_t, t, t | null),
 the two u's without gradient; samples whose label was dropped to the null class keep v~ = v.
@@ -56,6 +62,8 @@ class MeanFlow(nn.Module):
     Args:
         t_mean, t_std: logit-normal distribution of t and r (paper: -0.4, 1.0).
         r_neq_t: fraction of samples with r != t (paper: 0.25); the others have r = t (plain FM).
+        split_above: intervals t - r longer than this take the interval-splitting target (see the module
+            docstring); None: every sample takes the MeanFlow identity's.
         r_zero: fraction of samples with r = 0, drawn before r_neq_t applies: the interval [0, t] of a
             consistency model, whose t = 1 end is the 1-step sampler's. Two logit-normal draws rarely span
             it (t - r >= 0.7 for ~1 % of samples, docs/quality.md); 0 is the paper's proposal.
@@ -86,6 +94,7 @@ class MeanFlow(nn.Module):
         t_std: float = 1.0,
         r_neq_t: float = 0.25,
         r_zero: float = 0.0,
+        split_above: float | None = None,
         adaptive_p: float = 1.0,
         adaptive_c: float = 1e-3,
         cfg_omega: float = 1.0,
@@ -106,6 +115,9 @@ class MeanFlow(nn.Module):
         self.mid_t = mid_t
         check_probability("r_neq_t", r_neq_t)
         check_probability("r_zero", r_zero)
+        if split_above is not None and not 0 <= split_above < 1:
+            raise ValueError(f"split_above must be an interval length in [0, 1) or null (off), got {split_above!r}")
+        self.split_above = split_above
         check_probability("label_dropout", label_dropout)
         if adaptive_p < 0 or adaptive_c <= 0:
             raise ValueError(f"adaptive weighting needs p >= 0 and c > 0, got p={adaptive_p!r}, c={adaptive_c!r}")
@@ -179,7 +191,18 @@ class MeanFlow(nn.Module):
         # u and du/dt along (dz, dr, dt) = (v, 0, 1) (eq. 8; dz = sg(u(z_t, t, t)) for tangent="model"): r has none
         u, dudt = jvp(lambda z, t_: model(z, t_, r, y_in), (s.x_t, t), (dz, torch.ones_like(t)), mode=self.jvp_mode)
         u_tgt = (v - bcast(t - r, v) * dudt.float()).detach()
+        if self.split_above is not None:  # every sample, then a select: static shapes for CUDA graphs
+            split = bcast(t - r > self.split_above, u_tgt)
+            u_tgt = torch.where(split, self._split_target(model, s.x_t, t, r, y_in), u_tgt)
         return t, r, u.float() - u_tgt
+
+    @torch.no_grad()
+    def _split_target(self, model, z, t, r, y):
+        """(u(z_t, s, t) + u(z_s, r, s)) / 2 at s = (t + r) / 2: the average velocity over [r, t] from two half jumps."""
+        s = (t + r) / 2
+        u_ts = model(z, t, s, y).float()
+        z_s = z.float() - bcast(t - s, u_ts) * u_ts
+        return (u_ts + model(z_s.to(z.dtype), s, r, y).float()) / 2
 
     def adaptive_weight(self, sq):
         """sg(w) = 1 / (||u - u_tgt||^2 + c)^p per sample (section 4.3), from sq = ||u - u_tgt||^2."""
