@@ -40,6 +40,7 @@ from the start (configs/objective/meanflow_distill.yaml; on MNIST its 2-step FID
 """
 
 import functools
+import math
 
 import torch
 from torch import nn
@@ -64,6 +65,9 @@ class MeanFlow(nn.Module):
         r_neq_t: fraction of samples with r != t (paper: 0.25); the others have r = t (plain FM).
         split_above: intervals t - r longer than this take the interval-splitting target (see the module
             docstring); None: every sample takes the MeanFlow identity's.
+        split_frac: at most this fraction of a batch, its longest intervals, takes it: a fixed number of extra
+            forwards keeps the step's cost and shapes fixed (CUDA graphs); longer intervals beyond that number
+            keep the identity's target.
         r_zero: fraction of samples with r = 0, drawn before r_neq_t applies: the interval [0, t] of a
             consistency model, whose t = 1 end is the 1-step sampler's. Two logit-normal draws rarely span
             it (t - r >= 0.7 for ~1 % of samples, docs/quality.md); 0 is the paper's proposal.
@@ -95,6 +99,7 @@ class MeanFlow(nn.Module):
         r_neq_t: float = 0.25,
         r_zero: float = 0.0,
         split_above: float | None = None,
+        split_frac: float = 0.125,
         adaptive_p: float = 1.0,
         adaptive_c: float = 1e-3,
         cfg_omega: float = 1.0,
@@ -117,7 +122,9 @@ class MeanFlow(nn.Module):
         check_probability("r_zero", r_zero)
         if split_above is not None and not 0 <= split_above < 1:
             raise ValueError(f"split_above must be an interval length in [0, 1) or null (off), got {split_above!r}")
-        self.split_above = split_above
+        if not 0 < split_frac <= 1:
+            raise ValueError(f"split_frac must be a fraction of the batch in (0, 1], got {split_frac!r}")
+        self.split_above, self.split_frac = split_above, split_frac
         check_probability("label_dropout", label_dropout)
         if adaptive_p < 0 or adaptive_c <= 0:
             raise ValueError(f"adaptive weighting needs p >= 0 and c > 0, got p={adaptive_p!r}, c={adaptive_c!r}")
@@ -191,10 +198,18 @@ class MeanFlow(nn.Module):
         # u and du/dt along (dz, dr, dt) = (v, 0, 1) (eq. 8; dz = sg(u(z_t, t, t)) for tangent="model"): r has none
         u, dudt = jvp(lambda z, t_: model(z, t_, r, y_in), (s.x_t, t), (dz, torch.ones_like(t)), mode=self.jvp_mode)
         u_tgt = (v - bcast(t - r, v) * dudt.float()).detach()
-        if self.split_above is not None:  # every sample, then a select: static shapes for CUDA graphs
-            split = bcast(t - r > self.split_above, u_tgt)
-            u_tgt = torch.where(split, self._split_target(model, s.x_t, t, r, y_in), u_tgt)
+        if self.split_above is not None:
+            u_tgt = self._with_split_targets(model, s.x_t, t, r, y_in, u_tgt)
         return t, r, u.float() - u_tgt
+
+    def _with_split_targets(self, model, z, t, r, y, u_tgt):
+        """u_tgt with the split target on the batch's longest intervals (at most split_frac of it) above split_above."""
+        k = max(1, math.ceil(self.split_frac * len(t)))
+        i = torch.topk(t - r, k).indices  # no host sync: capturable
+        split = self._split_target(model, z[i], t[i], r[i], None if y is None else y[i])
+        u_tgt = u_tgt.clone()
+        u_tgt[i] = torch.where(bcast(t[i] - r[i] > self.split_above, split), split, u_tgt[i])
+        return u_tgt
 
     @torch.no_grad()
     def _split_target(self, model, z, t, r, y):

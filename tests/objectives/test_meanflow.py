@@ -39,26 +39,31 @@ def test_target_away_from_the_solution(jvp_mode):
 
 def test_split_target_is_exact_at_the_solution():
     torch.manual_seed(0)
-    _, metrics = MeanFlow(r_neq_t=1.0, split_above=0.0).loss(PointMassMeanFlow(A), _data())
+    _, metrics = MeanFlow(r_neq_t=1.0, split_above=0.0, split_frac=1.0).loss(PointMassMeanFlow(A), _data())
     assert metrics["mse"] < 1e-10
 
 
 def test_split_target_away_from_the_solution():
     """u = (z - a)/t + c t. Two half jumps through s = (t + r)/2 give u_tgt = (z - a)/t + c (t + s - t (t - s) / s) / 2,
-    so u - u_tgt = c (t - r)(s + t) / (4 s) on split intervals and c (2t - r) (the identity's) on the others."""
+    so u - u_tgt = c (t - r)(s + t) / (4 s) on the split intervals (the batch's longest quarter, if above 0.3) and
+    c (2t - r) (the identity's) on the others."""
     c, x = 0.3, _data()
-    objective = MeanFlow(r_neq_t=1.0, adaptive_p=0.0, split_above=0.3)
+    objective = MeanFlow(r_neq_t=1.0, adaptive_p=0.0, split_above=0.3, split_frac=0.25)
     torch.manual_seed(1)
     loss, _ = objective.loss(PointMassMeanFlow(A, offset=c), x)
     torch.manual_seed(1)
     t, r = objective.sample_times(x.shape[0], x.device)
     s = (t + r) / 2
-    split = t - r > 0.3
-    assert split.any() and (~split).any()
+    longest = torch.zeros_like(t, dtype=torch.bool)
+    longest[torch.topk(t - r, 16).indices] = True  # 0.25 of 64
+    split = longest & (t - r > 0.3)
+    assert split.any() and ((t - r > 0.3) & ~longest).any()  # the cap binds: some long intervals keep the identity
     err = torch.where(split, c * (t - r) * (s + t) / (4 * s), c * (2 * t - r))
     torch.testing.assert_close(loss, 4 * (err**2).mean(), rtol=1e-4, atol=0)
     with pytest.raises(ValueError, match="split_above must be an interval length"):
         MeanFlow(split_above=1.0)
+    with pytest.raises(ValueError, match="split_frac must be a fraction"):
+        MeanFlow(split_above=0.5, split_frac=0.0)
 
 
 def test_model_tangent_away_from_the_solution():
