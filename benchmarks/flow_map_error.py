@@ -20,6 +20,7 @@ import torch
 
 from flm.objectives.guidance import num_classes
 from flm.train.generator import load_generator, open_generator
+from flm.train.sampling import class_labels
 
 
 def parse_args(argv=None):
@@ -76,8 +77,8 @@ def main(argv=None):
     model = student[0]
     shape = (args.n, *image(model)[:3])
     noise = torch.randn(shape, generator=g).to(device)
-    classes = num_classes(model)
-    y = (torch.arange(args.n) % classes).to(device) if classes else None
+    y = class_labels(args.n, num_classes(model))
+    y = None if y is None else y.to(device)
     rows = flow_map_errors(
         student, teacher, noise, y, steps=args.steps, teacher_steps=args.teacher_steps, batch_size=args.batch_size
     )
