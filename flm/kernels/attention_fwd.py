@@ -265,46 +265,52 @@ def _fwd_kernel(
     # for head dims such as 72 whose strides Triton cannot prove divisible by 16 on its own
     stride_kn = tl.multiple_of(stride_kn, 8)
     stride_vn = tl.multiple_of(stride_vn, 8)
-    q_rows = _rows(Q, off_b, off_h, stride_qb, stride_qh) + offs_m[:, None] * tl.multiple_of(stride_qm, 8)
-    k_head = _rows(K, off_b, off_h, stride_kb, stride_kh)
-    v_head = _rows(V, off_b, off_h, stride_vb, stride_vh)
-    k_ptrs = k_head + offs_d[:, None] + offs_n[None, :] * stride_kn
-    v_ptrs = v_head + offs_n[:, None] * stride_vn + offs_d[None, :]
-    q = tl.load(q_rows + offs_d[None, :], mask=q_mask, other=0.0)
-    if BLOCK_D_REM > 0:  # the remainder chunk: columns BLOCK_D .. HEAD_DIM - 1 of a BLOCK_D_REM-wide tile
-        offs_dr = BLOCK_D + tl.arange(0, BLOCK_D_REM)
-        qr_mask = q_mask & (offs_dr[None, :] < HEAD_DIM)
-        kr_ptrs = k_head + offs_dr[:, None] + offs_n[None, :] * stride_kn
-        vr_ptrs = v_head + offs_n[:, None] * stride_vn + offs_dr[None, :]
-        q_r = tl.load(q_rows + offs_dr[None, :], mask=qr_mask, other=0.0)
-    else:
-        kr_ptrs = k_ptrs
-        vr_ptrs = v_ptrs
-        q_r = q
+    q_ptrs = _rows(Q, off_b, off_h, stride_qb, stride_qh) + offs_m[:, None] * tl.multiple_of(stride_qm, 8) + offs_d[None, :]
+    k_ptrs = _rows(K, off_b, off_h, stride_kb, stride_kh) + offs_d[:, None] + offs_n[None, :] * stride_kn
+    v_ptrs = _rows(V, off_b, off_h, stride_vb, stride_vh) + offs_n[:, None] * stride_vn + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=q_mask, other=0.0)
     if HAS_TANGENT:
         stride_tkn = tl.multiple_of(stride_tkn, 8)
         stride_tvn = tl.multiple_of(stride_tvn, 8)
-        tq_rows = _rows(TQ, off_b, off_h, stride_tqb, stride_tqh) + offs_m[:, None] * tl.multiple_of(stride_tqm, 8)
-        tk_head = _rows(TK, off_b, off_h, stride_tkb, stride_tkh)
-        tv_head = _rows(TV, off_b, off_h, stride_tvb, stride_tvh)
-        tk_ptrs = tk_head + offs_d[:, None] + offs_n[None, :] * stride_tkn
-        tv_ptrs = tv_head + offs_n[:, None] * stride_tvn + offs_d[None, :]
-        tq = tl.load(tq_rows + offs_d[None, :], mask=q_mask, other=0.0)
-        if BLOCK_D_REM > 0:
-            tkr_ptrs = tk_head + offs_dr[:, None] + offs_n[None, :] * stride_tkn
-            tvr_ptrs = tv_head + offs_n[:, None] * stride_tvn + offs_dr[None, :]
-            tq_r = tl.load(tq_rows + offs_dr[None, :], mask=qr_mask, other=0.0)
-        else:
-            tkr_ptrs = tk_ptrs
-            tvr_ptrs = tv_ptrs
-            tq_r = tq
+        tq_ptrs = (
+            _rows(TQ, off_b, off_h, stride_tqb, stride_tqh) + offs_m[:, None] * tl.multiple_of(stride_tqm, 8) + offs_d[None, :]
+        )
+        tk_ptrs = _rows(TK, off_b, off_h, stride_tkb, stride_tkh) + offs_d[:, None] + offs_n[None, :] * stride_tkn
+        tv_ptrs = _rows(TV, off_b, off_h, stride_tvb, stride_tvh) + offs_n[:, None] * stride_tvn + offs_d[None, :]
+        tq = tl.load(tq_ptrs, mask=q_mask, other=0.0)
     else:
         tq = q
         tk_ptrs = k_ptrs
         tv_ptrs = v_ptrs
-        tq_r = q_r
-        tkr_ptrs = kr_ptrs
-        tvr_ptrs = vr_ptrs
+    # the remainder chunk: the same tiles at columns BLOCK_D .. BLOCK_D + BLOCK_D_REM - 1, zero past HEAD_DIM
+    # (set up after the main chunk's, which then compiles as it did before the split)
+    if BLOCK_D_REM > 0:
+        offs_dr = BLOCK_D + tl.arange(0, BLOCK_D_REM)
+        qr_mask = q_mask & (offs_dr[None, :] < HEAD_DIM)
+        qr_ptrs = _rows(Q, off_b, off_h, stride_qb, stride_qh) + offs_m[:, None] * tl.multiple_of(stride_qm, 8) + offs_dr[None, :]
+        kr_ptrs = _rows(K, off_b, off_h, stride_kb, stride_kh) + offs_dr[:, None] + offs_n[None, :] * stride_kn
+        vr_ptrs = _rows(V, off_b, off_h, stride_vb, stride_vh) + offs_n[:, None] * stride_vn + offs_dr[None, :]
+        q_r = tl.load(qr_ptrs, mask=qr_mask, other=0.0)
+        if HAS_TANGENT:
+            tqr_ptrs = (
+                _rows(TQ, off_b, off_h, stride_tqb, stride_tqh)
+                + offs_m[:, None] * tl.multiple_of(stride_tqm, 8)
+                + offs_dr[None, :]
+            )
+            tkr_ptrs = _rows(TK, off_b, off_h, stride_tkb, stride_tkh) + offs_dr[:, None] + offs_n[None, :] * stride_tkn
+            tvr_ptrs = _rows(TV, off_b, off_h, stride_tvb, stride_tvh) + offs_n[:, None] * stride_tvn + offs_dr[None, :]
+            tq_r = tl.load(tqr_ptrs, mask=qr_mask, other=0.0)
+        else:
+            tq_r = q_r
+            tkr_ptrs = kr_ptrs
+            tvr_ptrs = vr_ptrs
+    else:  # unused placeholders
+        q_r = q
+        tq_r = tq
+        kr_ptrs = k_ptrs
+        vr_ptrs = v_ptrs
+        tkr_ptrs = tk_ptrs
+        tvr_ptrs = tv_ptrs
     if HAS_BIAS:
         # (BLOCK_M, 1) row pointers; rows past Lq read row Lq - 1 (never stored), so only keys need load masks
         rows = tl.minimum(offs_m, LQ - 1)[:, None]
