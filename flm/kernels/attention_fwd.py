@@ -261,20 +261,24 @@ def _fwd_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     q_mask = offs_m[:, None] < LQ
 
-    # every row starts 16-byte aligned (strides are multiples of 8 elements): lets loads vectorise
-    # for head dims such as 72 whose strides Triton cannot prove divisible by 16 on its own
-    stride_kn = tl.multiple_of(stride_kn, 8)
-    stride_vn = tl.multiple_of(stride_vn, 8)
-    q_ptrs = _rows(Q, off_b, off_h, stride_qb, stride_qh) + offs_m[:, None] * tl.multiple_of(stride_qm, 8) + offs_d[None, :]
+    # every row starts 16-byte aligned: the wrapper keeps strides multiples of 8 elements. A launch marks
+    # only multiples of 16, and tl.multiple_of on a kernel argument is dropped, so where a head dim such as
+    # 72 makes row strides odd multiples of 8 the kernel states it as arithmetic (x // 8 * 8). Unproven,
+    # the loads could not become 16-byte async copies and the key loop would not be pipelined at all.
+    if BLOCK_D_REM > 0:
+        stride_qm = stride_qm // 8 * 8
+        stride_kn = stride_kn // 8 * 8
+        stride_vn = stride_vn // 8 * 8
+        stride_tqm = stride_tqm // 8 * 8
+        stride_tkn = stride_tkn // 8 * 8
+        stride_tvn = stride_tvn // 8 * 8
+        stride_om = stride_om // 8 * 8
+    q_ptrs = _rows(Q, off_b, off_h, stride_qb, stride_qh) + offs_m[:, None] * stride_qm + offs_d[None, :]
     k_ptrs = _rows(K, off_b, off_h, stride_kb, stride_kh) + offs_d[:, None] + offs_n[None, :] * stride_kn
     v_ptrs = _rows(V, off_b, off_h, stride_vb, stride_vh) + offs_n[:, None] * stride_vn + offs_d[None, :]
     q = tl.load(q_ptrs, mask=q_mask, other=0.0)
     if HAS_TANGENT:
-        stride_tkn = tl.multiple_of(stride_tkn, 8)
-        stride_tvn = tl.multiple_of(stride_tvn, 8)
-        tq_ptrs = (
-            _rows(TQ, off_b, off_h, stride_tqb, stride_tqh) + offs_m[:, None] * tl.multiple_of(stride_tqm, 8) + offs_d[None, :]
-        )
+        tq_ptrs = _rows(TQ, off_b, off_h, stride_tqb, stride_tqh) + offs_m[:, None] * stride_tqm + offs_d[None, :]
         tk_ptrs = _rows(TK, off_b, off_h, stride_tkb, stride_tkh) + offs_d[:, None] + offs_n[None, :] * stride_tkn
         tv_ptrs = _rows(TV, off_b, off_h, stride_tvb, stride_tvh) + offs_n[:, None] * stride_tvn + offs_d[None, :]
         tq = tl.load(tq_ptrs, mask=q_mask, other=0.0)
@@ -287,16 +291,12 @@ def _fwd_kernel(
     if BLOCK_D_REM > 0:
         offs_dr = BLOCK_D + tl.arange(0, BLOCK_D_REM)
         qr_mask = q_mask & (offs_dr[None, :] < HEAD_DIM)
-        qr_ptrs = _rows(Q, off_b, off_h, stride_qb, stride_qh) + offs_m[:, None] * tl.multiple_of(stride_qm, 8) + offs_dr[None, :]
+        qr_ptrs = _rows(Q, off_b, off_h, stride_qb, stride_qh) + offs_m[:, None] * stride_qm + offs_dr[None, :]
         kr_ptrs = _rows(K, off_b, off_h, stride_kb, stride_kh) + offs_dr[:, None] + offs_n[None, :] * stride_kn
         vr_ptrs = _rows(V, off_b, off_h, stride_vb, stride_vh) + offs_n[:, None] * stride_vn + offs_dr[None, :]
         q_r = tl.load(qr_ptrs, mask=qr_mask, other=0.0)
         if HAS_TANGENT:
-            tqr_ptrs = (
-                _rows(TQ, off_b, off_h, stride_tqb, stride_tqh)
-                + offs_m[:, None] * tl.multiple_of(stride_tqm, 8)
-                + offs_dr[None, :]
-            )
+            tqr_ptrs = _rows(TQ, off_b, off_h, stride_tqb, stride_tqh) + offs_m[:, None] * stride_tqm + offs_dr[None, :]
             tkr_ptrs = _rows(TK, off_b, off_h, stride_tkb, stride_tkh) + offs_dr[:, None] + offs_n[None, :] * stride_tkn
             tvr_ptrs = _rows(TV, off_b, off_h, stride_tvb, stride_tvh) + offs_n[:, None] * stride_tvn + offs_dr[None, :]
             tq_r = tl.load(tqr_ptrs, mask=qr_mask, other=0.0)
@@ -442,8 +442,6 @@ def _fwd_kernel(
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     o = acc / l_safe[:, None]
-    if BLOCK_D_REM > 0:  # rows of O as long as the head dim: 72 is a multiple of 8, not of 16
-        stride_om = tl.multiple_of(stride_om, 8)
     o_rows = tl.multiple_of(off_b * stride_ob + off_h * stride_oh, 8) + offs_m[:, None] * stride_om
     o_off = o_rows + offs_d[None, :]
     tl.store(O + o_off, o.to(O.dtype.element_ty), mask=q_mask)
