@@ -464,12 +464,18 @@ def _fwd_kernel(
 # ---------------------------------------------------------------------------------------------
 
 
-# Candidates by padded head dim, (BLOCK_M, BLOCK_N, num_warps, num_stages): the best of a sweep, and
-# few, so that a new shape tunes in seconds. BLOCK_M is a multiple of BLOCK_N (the causal loop split relies on it).
-_CANDIDATES = {  # from benchmarks/attention_configs.py on an H200 (bf16, 4096 tokens)
+# Candidates by tile width BLOCK_D + BLOCK_D_REM (a head dim takes the first width at least its own),
+# (BLOCK_M, BLOCK_N, num_warps, num_stages): the best of a sweep, and few, so that a new shape tunes in
+# seconds. BLOCK_M is a multiple of BLOCK_N (the causal loop split relies on it).
+_CANDIDATES = {  # powers of two: from benchmarks/attention_configs.py on an H200 (bf16, 4096 tokens)
     64: [(128, 64, 8, 4), (64, 64, 4, 3), (128, 64, 8, 3)],
+    # 72 and 80 (64 + 16), 88 and 96 (64 + 32): not swept on a GPU yet. Compiled for sm_90 (Triton 3.8,
+    # bf16, tangents) these fit shared memory and spill least: at 80 wide 200 / 160 / 120 KiB, at 96 wide
+    # 192 / 144 / 144 KiB (96 wide with 128 x 64 blocks and 4 stages needs 240 KiB, more than 227)
+    80: [(128, 64, 8, 4), (128, 64, 8, 3), (128, 32, 8, 4)],
+    96: [(128, 64, 8, 3), (128, 64, 8, 2), (128, 32, 8, 4)],
     128: [(128, 64, 8, 2), (128, 32, 8, 4)],  # the latter best at 256 and 1024 tokens
-    256: [(64, 32, 4, 2), (128, 32, 8, 1)],
+    256: [(64, 32, 4, 2), (128, 32, 8, 1)],  # also 144-192 wide (160 = 128 + 32, 192 = 128 + 64): both fit
 }
 # With a bias (and its tangent) the pipeliner stages one or two more (BLOCK_M, BLOCK_N) tiles in shared
 # memory, and the fast candidates can exceed the H200's 227 KiB (an fp32 bias with its tangent; the
@@ -480,7 +486,7 @@ _ALL = sorted({c for cs in _CANDIDATES.values() for c in cs} | {_BIAS_FALLBACK})
 
 
 def _prune(configs, named_args, **meta):
-    """The candidates for this head dim (head dims up to 64 share one list), plus the bias fallback."""
+    """The candidates for this head dim's tile width, plus the bias fallback."""
     width = meta["BLOCK_D"] + meta["BLOCK_D_REM"]
     wanted = _CANDIDATES[min(w for w in _CANDIDATES if w >= width)]
     if meta["HAS_BIAS"] or meta["HAS_MASK"]:
