@@ -22,7 +22,9 @@ Layouts are (batch, heads, tokens, head_dim) with arbitrary strides for every in
 not a power of two is split into two column chunks, read in place (no padded copies): its largest
 power of two BLOCK_D and a remainder tile BLOCK_D_REM, a power of two of at least 16 (tl.dot's smallest
 K and N), whose columns past the head dim load as 0 and are not stored. 72 = 64 + 8 runs as 64 + 16,
-80 = 64 + 16, 96 = 64 + 32, 160 = 128 + 32. q k^T is the sum of the two chunks' products, and P V and
+80 = 64 + 16, 96 = 64 + 32. Above 128 (160, 192, ...) the split kernel hit an illegal memory access on an
+H200 (Triton 3.6, not found on the CPU interpreter), so those head dims are zero-padded to 256 in copies,
+as every non-power-of-two head dim was before the split. q k^T is the sum of the two chunks' products, and P V and
 the tangent accumulator keep one tile per chunk. With BLOCK_D_REM = 0 (a power of two) the kernel is the
 single-chunk one it was before the split; the main chunk's loads carry no head-dim mask either way.
 """
@@ -30,6 +32,7 @@ single-chunk one it was before the split; the main chunk's loads carry no head-d
 import os
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -475,7 +478,7 @@ _CANDIDATES = {  # powers of two: from benchmarks/attention_configs.py on an H20
     80: [(128, 64, 8, 4), (128, 64, 8, 3), (128, 32, 8, 4)],
     96: [(128, 64, 8, 3), (128, 64, 8, 2), (128, 32, 8, 4)],
     128: [(128, 64, 8, 2), (128, 32, 8, 4)],  # the latter best at 256 and 1024 tokens
-    256: [(64, 32, 4, 2), (128, 32, 8, 1)],  # also 144-192 wide (160 = 128 + 32, 192 = 128 + 64): both fit
+    256: [(64, 32, 4, 2), (128, 32, 8, 1)],
 }
 # With a bias (and its tangent) the pipeliner stages one or two more (BLOCK_M, BLOCK_N) tiles in shared
 # memory, and the fast candidates can exceed the H200's 227 KiB (an fp32 bias with its tangent; the
@@ -524,14 +527,21 @@ def check_head_dim(head_dim: int) -> None:
 
 def split_head_dim(head_dim: int) -> tuple[int, int]:
     """(BLOCK_D, BLOCK_D_REM): the head dim's largest power of two and a power-of-two tile of at least
-    16 (tl.dot's smallest size) for the rest, 0 when there is none. 72 -> (64, 16), 96 -> (64, 32)."""
+    16 (tl.dot's smallest size) for the rest, 0 when there is none. 72 -> (64, 16), 96 -> (64, 32).
+    Above 128 a head dim that is not a power of two runs padded: 160 -> (256, 0) (see the module docstring)."""
     main = 1 << (head_dim.bit_length() - 1)
-    return main, 0 if main == head_dim else max(16, triton.next_power_of_2(head_dim - main))
+    if main == head_dim:
+        return main, 0
+    if main >= 128:
+        return 256, 0
+    return main, max(16, triton.next_power_of_2(head_dim - main))
 
 
-def _prepare(x: torch.Tensor) -> torch.Tensor:
-    """x in the kernel's layout: unit head-dim stride and every other stride a multiple of 8 elements
-    (16-byte aligned rows). Copies only when needed."""
+def _prepare(x: torch.Tensor, width: int) -> torch.Tensor:
+    """x in the kernel's layout: head dim zero-padded to `width` (above 128 only), unit head-dim stride and
+    every other stride a multiple of 8 elements (16-byte aligned rows). Copies only when needed."""
+    if x.shape[-1] < width:
+        return F.pad(x, (0, width - x.shape[-1]))
     if x.stride(-1) == 1 and all(st % 8 == 0 or n == 1 for st, n in zip(x.stride()[:3], x.shape[:3])):
         return x
     return x.contiguous()
@@ -569,9 +579,11 @@ def attention_fwd(
         o = q.new_zeros(q.shape)
         lse = torch.full((b, h, lq), float("-inf"), dtype=torch.float32, device=q.device)
         return o, torch.zeros_like(o) if has_tangent else None, lse
-    q, k, v = (_prepare(x) for x in (q, k, v))
-    tq, tk, tv = (_prepare(x) for x in (tq, tk, tv)) if has_tangent else (q, k, v)
-    o = torch.empty((b, h, lq, d), dtype=q.dtype, device=q.device)
+    block_d, block_d_rem = split_head_dim(d)
+    width = max(d, block_d)  # the padded width above 128, else d
+    q, k, v = (_prepare(x, width) for x in (q, k, v))
+    tq, tk, tv = (_prepare(x, width) for x in (tq, tk, tv)) if has_tangent else (q, k, v)
+    o = torch.empty((b, h, lq, width), dtype=q.dtype, device=q.device)
     to = torch.empty_like(o) if has_tangent else o
     lse = torch.empty((b, h, lq), dtype=torch.float32, device=q.device)
     # broadcast dims read with stride 0; absent inputs pass q and zero strides (the kernel ignores them)
@@ -601,9 +613,8 @@ def attention_fwd(
         triton.next_power_of_2(lq),
         triton.next_power_of_2(lkv),
     ]
-    block_d, block_d_rem = split_head_dim(d)
     meta = dict(
-        HEAD_DIM=d,
+        HEAD_DIM=width,
         BLOCK_D=block_d,
         BLOCK_D_REM=block_d_rem,
         HAS_TANGENT=has_tangent,
@@ -621,6 +632,8 @@ def attention_fwd(
     else:
         grid = lambda cfg: (triton.cdiv(lq, cfg["BLOCK_M"]), b * h)  # noqa: E731
         _fwd_tuned[grid](*args, **meta)
+    if width != d:  # views without the padding columns
+        o, to = o[..., :d], to[..., :d]
     return o, to if has_tangent else None, lse
 
 

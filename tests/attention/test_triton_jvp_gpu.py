@@ -59,7 +59,8 @@ def test_backward_paths_match_autograd_over_math(shape, dtype, impl):
         assert rel_err(got, ref) < TOL[dtype]
 
 
-# head dims that are not a power of two: a power-of-two chunk plus a remainder tile, read in place
+# head dims that are not a power of two: a power-of-two chunk plus a remainder tile, read in place (up to 128;
+# above, zero-padded to 256)
 SPLIT_SHAPES = [  # (B, H, Lq, Lkv, D, causal)
     (4, 16, 256, 256, 72, False),  # DiT-XL/2's head dim at 256 tokens
     (2, 16, 1024, 1024, 72, False),
@@ -80,8 +81,8 @@ def test_split_head_dim_real_sizes(shape, dtype):
     o, to = fa.jvp_attention(q, k, v, tq, tk, tv, causal=causal)
     o_plain = fa.attention(q, k, v, backend="triton_jvp", causal=causal)
     o_ref, to_ref = jvp64(q, k, v, tq, tk, tv, causal=causal)
-    for x in (o, to, o_plain):
-        assert x.shape == q.shape and x.is_contiguous() and torch.isfinite(x).all()
+    for x in (o, to, o_plain):  # above 128: views of the padded outputs
+        assert x.shape == q.shape and (x.is_contiguous() or dims[-1] > 128) and torch.isfinite(x).all()
     assert rel_err(o, o_ref) < TOL[dtype]
     assert rel_err(to, to_ref) < TOL[dtype]
     assert rel_err(o_plain, o_ref) < TOL[dtype]
