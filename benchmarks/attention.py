@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python benchmarks/attention.py                      # full table (one H200: ~5 min)
     PYTHONPATH=. python benchmarks/attention.py --head-dims 64 --tokens 1024 4096 --out results/
+    PYTHONPATH=. python benchmarks/attention.py --backwards cudnn triton   # the backward alone, per implementation
 
 bf16, batch x heads = 64 (heads = 16). Kernel times are medians of CUDA-graph replays (GPU time; the
 fused path's host overhead per call is its own column); math JVP is timed eagerly (GPU-bound). FLOPs of a forward: 4 * B * H * Lq * Lkv * D; the JVP forward is
@@ -9,6 +10,11 @@ counted as 3 forwards (six matmuls instead of two). Peak memory is what the call
 its inputs (outputs included). "first call" is the wall time of the first call at a new shape,
 autotuning and compilation included; tuned configs are cached on disk by Triton for later runs.
 A bf16 matmul (8192^3) measured in the same run gives the ceiling.
+
+--backwards NAME... times only the fused attention's backward (flm.attention.triton_jvp.BACKWARDS), fed
+with flm's forward O and lse, non-causal and causal: median ms of CUDA-graph replays per implementation,
+torch_fa2 always among them, and each one's speed-up over torch_fa2 (its ms / the implementation's ms) in
+the same run; "first call" is the wall time of the first call at the shape (cuDNN builds its plan there).
 """
 
 import argparse
@@ -22,6 +28,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flm.attention as fa
 from flm.attention import math as math_backend
+from flm.attention import triton_jvp
 
 
 def gpu_ms(fn) -> float:
@@ -96,16 +103,60 @@ def run_row(d: int, n: int, heads: int = 16, bh: int = 64, dtype=torch.bfloat16)
     return row
 
 
-def fmt(x, spec=".1f"):
-    return "OOM" if x is None else format(x, spec)
+def backward_row(d: int, n: int, causal: bool, names, heads: int = 16, bh: int = 64, dtype=torch.bfloat16) -> dict:
+    """ms per backward implementation at one shape, fed with flm's forward O and lse; None where it failed."""
+    b = bh // heads
+    q, k, v, do = (torch.randn(b, heads, n, d, device="cuda", dtype=dtype) for _ in range(4))
+    scale = d**-0.5
+    o, lse = torch.ops.flm.attention_fwd(q, k, v, causal, scale)
+    row = {"head_dim": d, "tokens": n, "causal": causal, "batch": b, "heads": heads}
+    for name in names:
+        fn = lambda: triton_jvp.BACKWARDS[name](do, q, k, v, o, lse, causal, scale)  # noqa: E731
+        try:
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            row[f"{name}_first_ms"] = (time.perf_counter() - t0) * 1e3
+            row[f"{name}_ms"] = gpu_ms(fn)
+        except (RuntimeError, TypeError) as e:  # cannot run here: the table says so
+            row[f"{name}_first_ms"] = row[f"{name}_ms"] = None
+            row[f"{name}_error"] = str(e).splitlines()[0][:80]
+    torch.cuda.empty_cache()
+    return row
 
 
-def main():
+def backward_table(rows, names) -> str:
+    """The --backwards table: ms per implementation, speed-up over torch_fa2 (> 1: faster), first-call ms."""
+    others = [n for n in names if n != "torch_fa2"]
+    head = ["head dim", "tokens", "causal", *(f"{n} ms" for n in names), *(f"{n} speed-up vs torch_fa2" for n in others)]
+    head += [f"{n} first call ms" for n in names]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        base = r["torch_fa2_ms"]
+        ratios = [None if base is None or r[f"{n}_ms"] is None else base / r[f"{n}_ms"] for n in others]
+        cells = [r["head_dim"], r["tokens"], r["causal"], *(fmt(r[f"{n}_ms"], ".3f", "failed") for n in names)]
+        cells += [fmt(x, ".2f", "-") + ("x" if x is not None else "") for x in ratios]
+        cells += [fmt(r[f"{n}_first_ms"], ".0f", "failed") for n in names]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return "\n".join(lines)
+
+
+def fmt(x, spec=".1f", missing="OOM"):
+    return missing if x is None else format(x, spec)
+
+
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 72, 128])
     ap.add_argument("--tokens", type=int, nargs="+", default=[256, 1024, 4096, 16384])
+    ap.add_argument("--backwards", nargs="+", choices=list(triton_jvp.BACKWARDS), help="time these backwards alone")
     ap.add_argument("--out", default=os.environ.get("OUT"), help="folder for results.json and a plot")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    props = torch.cuda.get_device_properties(0)
+    if args.backwards:
+        run_backwards(args, props)
+        return
 
     peak = matmul_tflops()
     rows = []
@@ -114,7 +165,6 @@ def main():
             rows.append(run_row(d, n))
             print(json.dumps(rows[-1]), flush=True)
 
-    props = torch.cuda.get_device_properties(0)
     print(f"\n{props.name}, torch {torch.__version__}, triton {triton.__version__}, bf16, batch x heads = 64")
     print(f"bf16 matmul 8192^3: {peak:.0f} TFLOP/s (ceiling)\n")
     print(
@@ -137,6 +187,24 @@ def main():
         with open(os.path.join(args.out, "attention_bench.json"), "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
         plot(rows, peak, os.path.join(args.out, "attention_bench.png"))
+
+
+def run_backwards(args, props):
+    names = ["torch_fa2", *(n for n in args.backwards if n != "torch_fa2")]
+    rows = []
+    for d in args.head_dims:
+        for n in args.tokens:
+            for causal in (False, True):
+                rows.append(backward_row(d, n, causal, names))
+                print(json.dumps(rows[-1]), flush=True)
+    print(f"\n{props.name}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}, bf16, batch x heads = 64")
+    print("the fused attention's backward alone, fed with flm's O and lse\n")
+    print(backward_table(rows, names))
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        meta = {"gpu": props.name, "torch": torch.__version__, "cudnn": torch.backends.cudnn.version()}
+        with open(os.path.join(args.out, "attention_backward.json"), "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
 
 
 def plot(rows, peak, path):

@@ -107,6 +107,19 @@ def all_mean(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def all_mean_(tensors: list[torch.Tensor]) -> None:
+    """Average `tensors` over ranks in place, in one all-reduce of their concatenation per dtype (nothing on one
+    process): one collective for a whole model's gradients, not one per tensor."""
+    if not is_initialized():
+        return
+    for dtype in dict.fromkeys(t.dtype for t in tensors):
+        group = [t for t in tensors if t.dtype == dtype]
+        flat = torch.cat([t.flatten() for t in group])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        flat /= world_size()
+        torch._foreach_copy_(group, [part.view_as(t) for part, t in zip(flat.split([t.numel() for t in group]), group)])
+
+
 def all_gather_cat(x: torch.Tensor) -> torch.Tensor:
     """The ranks' `x` (the same shape on every rank) concatenated along dim 0 in rank order (x itself on one process)."""
     if not is_initialized():

@@ -105,3 +105,43 @@ def test_meanflow_errors_bins_the_intervals_and_shares_the_gradient():
         assert row["grad_share"] == pytest.approx(float(g / grad.sum()), rel=1e-5)
     assert rows[2]["mse"] == pytest.approx((4.0 + 16.0) / 2 / 4, rel=1e-6)
     assert "| [0.7, 1] | 2 |" in errors.markdown(rows)
+
+
+def test_attention_backward_table_divides_by_torch_fa2():
+    attention = load("attention")
+    ms = lambda fa2, cudnn, fa2_first, cudnn_first: {  # noqa: E731
+        "torch_fa2_ms": fa2,
+        "cudnn_ms": cudnn,
+        "torch_fa2_first_ms": fa2_first,
+        "cudnn_first_ms": cudnn_first,
+    }
+    rows = [
+        {"head_dim": 128, "tokens": 4096, "causal": False, **ms(4.0, 2.5, 9.0, 300.0)},
+        {"head_dim": 64, "tokens": 256, "causal": True, **ms(1.0, None, 2.0, None)},  # cuDNN failed there
+    ]
+    lines = attention.backward_table(rows, ["torch_fa2", "cudnn"]).splitlines()
+    assert lines[0] == (
+        "| head dim | tokens | causal | torch_fa2 ms | cudnn ms | cudnn speed-up vs torch_fa2 | torch_fa2 first call ms "
+        "| cudnn first call ms |"
+    )
+    assert lines[2] == "| 128 | 4096 | False | 4.000 | 2.500 | 1.60x | 9 | 300 |"
+    assert lines[3] == "| 64 | 256 | True | 1.000 | failed | - | 2 | failed |"
+
+
+def test_flow_map_error_against_exact_straight_flows():
+    """Data at a point a: the teacher's exact velocity (z - a) / t makes every Euler solution land on a, so the
+    teacher's few-step rows are 0; a student u = (z - a) / t + c lands at a - c t per jump, c^2 off at 1 step."""
+    from flm.objectives import FlowMatching, MeanFlow
+    from tests.objectives.toys import PointMassMeanFlow, PointMassVelocity
+
+    fme = load("flow_map_error")
+    a, c = 0.7, 0.3
+    noise = torch.randn(8, 1, 2, 2)
+    teacher = (PointMassVelocity(a), FlowMatching())
+    rows = fme.flow_map_errors(
+        (PointMassMeanFlow(a, offset=c), MeanFlow()), teacher, noise, None, steps=[1, 2], teacher_steps=20, batch_size=3
+    )
+    mse = {(row["model"], row["steps"]): row["mse"] for row in rows}
+    assert mse["student", 1] == pytest.approx(c**2, rel=1e-5)
+    assert mse["student", 2] > 0
+    assert mse["teacher", 1] == pytest.approx(0, abs=1e-10) and mse["teacher", 2] == pytest.approx(0, abs=1e-10)

@@ -1,4 +1,4 @@
-"""Fused JVP attention: Triton forward (O, tO, lse in one pass) + FlashAttention's backward.
+"""Fused JVP attention: Triton forward (O, tO, lse in one pass) + a fused backward (cuDNN's, FlashAttention's).
 
 Three ways in, one set of kernels:
 - dual tensors (forward AD): flm.attention unpacks the tangents and calls `jvp_attention`, whose
@@ -9,13 +9,17 @@ Three ways in, one set of kernels:
 
 The kernels are torch.library custom ops (flm::attention_fwd, flm::attention_jvp_fwd,
 flm::attention_bwd, flm::attention_bias_bwd), so torch.compile traces models that call them without
-graph breaks. The gradient of o comes from, in order of preference: the flash_attn package, PyTorch's
+graph breaks. The gradient of o comes from, in order of preference (`backward_impl`): PyTorch's cuDNN
+attention backward on Hopper (compute capability 9.x, fp16/bf16, head dims up to 128; once per device,
+dtype and head dim a self-check on a tiny input must pass first), the flash_attn package, PyTorch's
 built-in FlashAttention-2 backward (CUDA, fp16/bf16), flm's own Triton backward (fp32, CPU interpreter).
-With an additive bias or a key-padding mask it is always flm's Triton backward (FlashAttention's takes
-neither), which also returns the bias's gradient.
+$FLM_ATTN_BACKWARD (auto, flash_attn, torch_fa2, cudnn, triton) forces one. With an additive bias or a
+key-padding mask it is always flm's Triton backward (the others take neither), which also returns the
+bias's gradient.
 """
 
 import functools
+import os
 import warnings
 
 import torch
@@ -91,18 +95,168 @@ def torch_fa2_bwd(do, q, k, v, o, lse, causal, scale):
     )
 
 
+def torch_cudnn_bwd(do, q, k, v, o, lse, causal, scale):
+    """PyTorch's cuDNN attention backward, fed with our O and natural-log lse as the (B, H, Lq, 1) fp32
+    statistics that cuDNN's forward returns. cuDNN takes any strides with a unit head-dim stride, but reads
+    dO with O's layout."""
+    if do.stride() != o.stride():  # O a view without padding columns (head dims like 72), or dO in another layout
+        o, do = o.contiguous(), do.contiguous()
+    unused = torch.empty((), dtype=torch.int64, device=q.device)  # philox seed and offset: no dropout
+    return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+        do,
+        q,
+        k,
+        v,
+        o,
+        lse.unsqueeze(-1),
+        unused,
+        unused,
+        None,  # attn_bias
+        None,  # cum_seq_q, cum_seq_k: not a nested tensor
+        None,
+        q.shape[2],
+        k.shape[2],
+        0.0,
+        causal,
+        scale=scale,
+    )
+
+
 def _triton_bwd(do, q, k, v, o, lse, causal, scale):
     return triton_bwd(do, q, k, v, o, lse, causal=causal, scale=scale)[:3]
 
 
-BACKWARDS = {"flash_attn": flash_attn_bwd, "torch_fa2": torch_fa2_bwd, "triton": _triton_bwd}
+BACKWARDS = {"flash_attn": flash_attn_bwd, "torch_fa2": torch_fa2_bwd, "cudnn": torch_cudnn_bwd, "triton": _triton_bwd}
+BACKWARD_ENV = "FLM_ATTN_BACKWARD"
+
+
+@functools.cache
+def _cudnn_op_available() -> bool:
+    return torch.backends.cudnn.is_available() and hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention_backward")
+
+
+def cudnn_unsupported(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+    """Why cuDNN's attention backward cannot take such inputs, or None when it can."""
+    if device.type != "cuda":
+        return f"needs a CUDA GPU, but the inputs are on {device}"
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"needs fp16 or bf16 inputs, got {dtype}"
+    if head_dim > 128 or head_dim % 8:
+        return f"needs a head dim that is a multiple of 8 and at most 128, got {head_dim}"
+    if not _cudnn_op_available():
+        return "needs a PyTorch built with cuDNN (torch.backends.cudnn.is_available() is False, or no cuDNN attention op)"
+    return None
+
+
+@functools.cache
+def _cudnn_by_default(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """cuDNN's backward is the default on Hopper only (the GPU it was chosen on); elsewhere it must be forced."""
+    return cudnn_unsupported(device, dtype, head_dim) is None and torch.cuda.get_device_capability(device)[0] == 9
+
+
+def _reference_grads(do, q, k, v, causal, scale):
+    """(dq, dk, dv) of softmax(q k^T * scale) v in fp32, written out (no autograd: this runs inside backward
+    passes and custom ops), and the natural-log lse (B, H, Lq)."""
+    do, q, k, v = (x.float() for x in (do, q, k, v))
+    s_BHQK = q @ k.transpose(-2, -1) * scale
+    if causal:
+        keep = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+        s_BHQK = s_BHQK.masked_fill(~keep, float("-inf"))
+    lse_BHQ = s_BHQK.logsumexp(-1)
+    p_BHQK = (s_BHQK - lse_BHQ[..., None]).exp()
+    o = p_BHQK @ v
+    dp_BHQK = do @ v.transpose(-2, -1)
+    ds_BHQK = p_BHQK * (dp_BHQK - (do * o).sum(-1, keepdim=True))
+    return (ds_BHQK @ k * scale, ds_BHQK.transpose(-2, -1) @ q * scale, p_BHQK.transpose(-2, -1) @ do), o, lse_BHQ
+
+
+def _cudnn_self_check(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+    """None when cuDNN's backward, fed as flm's forward feeds it (O and the natural-log lse), matches the
+    fp32 reference on a tiny input with and without the causal mask; else what went wrong. A wrong
+    statistics format (log2, another layout) gives errors of order 1, bf16 rounding about 1e-2."""
+    g = torch.Generator(device=device).manual_seed(0)
+    do, q, k, v = (torch.randn(1, 2, 80, head_dim, device=device, generator=g).to(dtype) for _ in range(4))
+    scale = head_dim**-0.5
+    for causal in (False, True):
+        ref, o, lse = _reference_grads(do, q, k, v, causal, scale)
+        try:
+            got = BACKWARDS["cudnn"](do, q, k, v, o.to(dtype), lse, causal, scale)
+        except RuntimeError as err:
+            return _raised(err)
+        errs = [((x.float() - r).norm() / r.norm()).item() for x, r in zip(got, ref)]
+        if not max(errs) < 0.05:  # NaN fails too
+            errs = ", ".join(f"{e:.2g}" for e in errs)
+            return f"gave (dq, dk, dv) that differ from the fp32 reference by {errs} (relative, causal={causal})"
+    return None
+
+
+# (device, dtype, head_dim) -> None once cuDNN's backward passed its self-check, else why it is not used
+_CUDNN_VERDICTS: dict[tuple, str | None] = {}
+
+
+def _cudnn_problem(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+    key = (device, dtype, head_dim)
+    if key not in _CUDNN_VERDICTS:
+        if torch.cuda.is_current_stream_capturing():  # the check allocates and synchronises: not now
+            return "cannot run its self-check inside a CUDA graph capture; run one step eagerly first"
+        _CUDNN_VERDICTS[key] = _cudnn_self_check(device, dtype, head_dim)
+        if _CUDNN_VERDICTS[key] is not None:
+            _warn_cudnn(key, _CUDNN_VERDICTS[key])
+    return _CUDNN_VERDICTS[key]
+
+
+def _raised(err: Exception) -> str:
+    return f"raised {str(err).splitlines()[0][:200]}"
+
+
+def _warn_cudnn(key, problem: str) -> None:
+    device, dtype, head_dim = key
+    warnings.warn(
+        f"cuDNN's attention backward is not used for {dtype}, head dim {head_dim} on {device}: it {problem}; "
+        f"using FlashAttention-2's backward instead (set {BACKWARD_ENV} to choose one)",
+        stacklevel=3,
+    )
+
+
+@functools.cache
+def _forced(value: str) -> str | None:
+    """The backward named by $FLM_ATTN_BACKWARD (read on every call, so tests and scripts may set it late),
+    or None for auto (or unset)."""
+    if value in ("", "auto"):
+        return None
+    if value not in BACKWARDS:
+        raise ValueError(f"{BACKWARD_ENV}={value!r} names no attention backward; valid values: auto, {', '.join(BACKWARDS)}")
+    return value
+
+
+def _forced_problem(name: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+    if name == "cudnn":
+        return cudnn_unsupported(device, dtype, head_dim) or _cudnn_problem(device, dtype, head_dim)
+    if name in ("flash_attn", "torch_fa2"):
+        problem = fa2_unsupported(device, dtype, head_dim)
+        if problem is None and name == "flash_attn" and _flash_attn_backward() is None:
+            problem = "needs the flash_attn package (pip install flm[flash])"
+        return problem
+    return None  # flm's Triton backward takes whatever the Triton forward took
 
 
 def backward_impl(q: Tensor) -> str:
-    """Which backward runs for inputs like q: 'flash_attn', 'torch_fa2' or 'triton'."""
-    if fa2_unsupported(q.device, q.dtype, q.shape[-1]) is None:
-        return "flash_attn" if _flash_attn_backward() is not None else "torch_fa2"
-    return "triton"
+    """Which backward runs for inputs like q (no bias, no mask): 'cudnn', 'flash_attn', 'torch_fa2' or 'triton'."""
+    device, dtype, head_dim = q.device, q.dtype, q.shape[-1]
+    forced = _forced(os.environ.get(BACKWARD_ENV, "auto"))
+    if forced is not None:
+        problem = _forced_problem(forced, device, dtype, head_dim)
+        if problem is not None:
+            raise ValueError(
+                f"{BACKWARD_ENV}={forced} cannot take {dtype} inputs with head dim {head_dim} on {device}: the {forced} "
+                f"backward {problem}; unset {BACKWARD_ENV} (or set it to auto) to let flm choose"
+            )
+        return forced
+    if fa2_unsupported(device, dtype, head_dim) is not None:
+        return "triton"
+    if _cudnn_by_default(device, dtype, head_dim) and _cudnn_problem(device, dtype, head_dim) is None:
+        return "cudnn"
+    return "flash_attn" if _flash_attn_backward() is not None else "torch_fa2"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -161,6 +315,15 @@ def _bwd_impl(
     do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, causal: bool, scale: float
 ) -> tuple[Tensor, Tensor, Tensor]:
     impl = backward_impl(q)
+    if impl == "cudnn" and _forced(os.environ.get(BACKWARD_ENV, "auto")) is None:
+        try:
+            dq, dk, dv = BACKWARDS["cudnn"](do, q, k, v, o, lse, causal, scale)
+            return dq.contiguous(), dk.contiguous(), dv.contiguous()
+        except RuntimeError as err:  # passed the self-check, refused these shapes: not again for such inputs
+            key = (q.device, q.dtype, q.shape[-1])
+            _CUDNN_VERDICTS[key] = _raised(err)
+            _warn_cudnn(key, _CUDNN_VERDICTS[key])
+            impl = backward_impl(q)
     if impl == "flash_attn":
         try:
             return flash_attn_bwd(do, q, k, v, o, lse, causal, scale)
@@ -372,3 +535,5 @@ def check_available(device: torch.device, dtype: torch.dtype, head_dim: int) -> 
             "CPU interpreter, slowly, for tests)"
         )
     check_head_dim(head_dim)
+    if not torch.compiler.is_compiling():  # an unknown backward name fails here, not in the backward
+        _forced(os.environ.get(BACKWARD_ENV, "auto"))

@@ -15,6 +15,12 @@ velocity sg(u(z_t, t, t)) there instead (one more forward without gradient): the
 (u(z, t, t) is the marginal velocity there) with a less noisy target. The loss stays
 ||u - sg(v - (t - r) du/dt)||^2 = ||u + (t - r) sg(du/dt) - v||^2, the "velocity loss" form.
 
+Interval splitting (`split_above`, off by default): intervals longer than it take the target of two half
+jumps of the model itself, u_tgt = (u(z_t, s, t) + u(z_s, r, s)) / 2 at the midpoint s = (t + r) / 2 with
+z_s = z_t - (t - s) u(z_t, s, t), both without gradient (the interval-splitting consistency of SplitMeanFlow and
+of shortcut models), in place of the identity's v - (t - r) du/dt: a long interval's target is then built from
+shorter ones, not from the derivative of the long one. Two more forwards without gradient per step.
+
 Guidance in training (section 4.2, eqs. 13-19, off by default): v is replaced, in the target and in
 the JVP tangent, by v~ = omega v + kappa u(z_t, t, t | y) + (1 - omega - kappa) u(z_t, t, t | null),
 the two u's without gradient; samples whose label was dropped to the null class keep v~ = v.
@@ -34,6 +40,7 @@ from the start (configs/objective/meanflow_distill.yaml; on MNIST its 2-step FID
 """
 
 import functools
+import math
 
 import torch
 from torch import nn
@@ -56,6 +63,14 @@ class MeanFlow(nn.Module):
     Args:
         t_mean, t_std: logit-normal distribution of t and r (paper: -0.4, 1.0).
         r_neq_t: fraction of samples with r != t (paper: 0.25); the others have r = t (plain FM).
+        split_above: intervals t - r longer than this take the interval-splitting target (see the module
+            docstring); None: every sample takes the MeanFlow identity's.
+        split_frac: at most this fraction of a batch, its longest intervals, takes it: a fixed number of extra
+            forwards keeps the step's cost and shapes fixed (CUDA graphs); longer intervals beyond that number
+            keep the identity's target.
+        r_zero: fraction of samples with r = 0, drawn before r_neq_t applies: the interval [0, t] of a
+            consistency model, whose t = 1 end is the 1-step sampler's. Two logit-normal draws rarely span
+            it (t - r >= 0.7 for ~1 % of samples, docs/quality.md); 0 is the paper's proposal.
         adaptive_p, adaptive_c: adaptive weight 1 / (||err||^2 + c)^p (paper: p = 1.0, c = 1e-3);
             p = 0 is the plain squared error.
         cfg_omega, cfg_kappa: guidance in training (paper eq. 19); 1.0 and 0.0 turn it off.
@@ -82,6 +97,9 @@ class MeanFlow(nn.Module):
         t_mean: float = -0.4,
         t_std: float = 1.0,
         r_neq_t: float = 0.25,
+        r_zero: float = 0.0,
+        split_above: float | None = None,
+        split_frac: float = 0.125,
         adaptive_p: float = 1.0,
         adaptive_c: float = 1e-3,
         cfg_omega: float = 1.0,
@@ -101,6 +119,12 @@ class MeanFlow(nn.Module):
             raise ValueError(f"mid_t must be decreasing times in (0, 1) (1 is noise), got {mid_t}")
         self.mid_t = mid_t
         check_probability("r_neq_t", r_neq_t)
+        check_probability("r_zero", r_zero)
+        if split_above is not None and not 0 <= split_above < 1:
+            raise ValueError(f"split_above must be an interval length in [0, 1) or null (off), got {split_above!r}")
+        if not 0 < split_frac <= 1:
+            raise ValueError(f"split_frac must be a fraction of the batch in (0, 1], got {split_frac!r}")
+        self.split_above, self.split_frac = split_above, split_frac
         check_probability("label_dropout", label_dropout)
         if adaptive_p < 0 or adaptive_c <= 0:
             raise ValueError(f"adaptive weighting needs p >= 0 and c > 0, got p={adaptive_p!r}, c={adaptive_c!r}")
@@ -109,7 +133,7 @@ class MeanFlow(nn.Module):
                 f"guidance in training needs cfg_omega > 0 and 0 <= cfg_kappa < 1, got "
                 f"cfg_omega={cfg_omega!r}, cfg_kappa={cfg_kappa!r}; 1.0 and 0.0 turn it off"
             )
-        self.t_mean, self.t_std, self.r_neq_t = t_mean, t_std, r_neq_t
+        self.t_mean, self.t_std, self.r_neq_t, self.r_zero = t_mean, t_std, r_neq_t, r_zero
         self.adaptive_p, self.adaptive_c = adaptive_p, adaptive_c
         self.cfg_omega, self.cfg_kappa = cfg_omega, cfg_kappa
         if tangent not in TANGENTS:
@@ -130,11 +154,14 @@ class MeanFlow(nn.Module):
             self.networks = {"teacher": Network(build=functools.partial(load_teacher, teacher), model_init=True)}
 
     def sample_times(self, n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(t, r) with t >= r: two logit-normal draws sorted; a fraction 1 - r_neq_t gets r = t."""
+        """(t, r) with t >= r: two logit-normal draws sorted; a fraction r_zero gets r = 0, and of the others
+        a fraction 1 - r_neq_t gets r = t."""
         a = logit_normal(n, self.t_mean, self.t_std, device=device)
         b = logit_normal(n, self.t_mean, self.t_std, device=device)
         t, r = torch.maximum(a, b), torch.minimum(a, b)
         r = torch.where(torch.rand(n, device=device) < self.r_neq_t, r, t)
+        if self.r_zero:  # no extra draw at 0: the paper's proposal keeps its random stream
+            r = torch.where(torch.rand(n, device=device) < self.r_zero, torch.zeros_like(r), r)
         return t, r
 
     @torch.no_grad()
@@ -171,7 +198,26 @@ class MeanFlow(nn.Module):
         # u and du/dt along (dz, dr, dt) = (v, 0, 1) (eq. 8; dz = sg(u(z_t, t, t)) for tangent="model"): r has none
         u, dudt = jvp(lambda z, t_: model(z, t_, r, y_in), (s.x_t, t), (dz, torch.ones_like(t)), mode=self.jvp_mode)
         u_tgt = (v - bcast(t - r, v) * dudt.float()).detach()
+        if self.split_above is not None:
+            u_tgt = self._with_split_targets(model, s.x_t, t, r, y_in, u_tgt)
         return t, r, u.float() - u_tgt
+
+    def _with_split_targets(self, model, z, t, r, y, u_tgt):
+        """u_tgt with the split target on the batch's longest intervals (at most split_frac of it) above split_above."""
+        k = max(1, math.ceil(self.split_frac * len(t)))
+        i = torch.topk(t - r, k).indices  # no host sync: capturable
+        split = self._split_target(model, z[i], t[i], r[i], None if y is None else y[i])
+        u_tgt = u_tgt.clone()
+        u_tgt[i] = torch.where(bcast(t[i] - r[i] > self.split_above, split), split, u_tgt[i])
+        return u_tgt
+
+    @torch.no_grad()
+    def _split_target(self, model, z, t, r, y):
+        """(u(z_t, s, t) + u(z_s, r, s)) / 2 at s = (t + r) / 2: the average velocity over [r, t] from two half jumps."""
+        s = (t + r) / 2
+        u_ts = model(z, t, s, y).float()
+        z_s = z.float() - bcast(t - s, u_ts) * u_ts
+        return (u_ts + model(z_s.to(z.dtype), s, r, y).float()) / 2
 
     def adaptive_weight(self, sq):
         """sg(w) = 1 / (||u - u_tgt||^2 + c)^p per sample (section 4.3), from sq = ||u - u_tgt||^2."""

@@ -9,6 +9,14 @@ that the loop can still check the gradients and clip them before stepping.
     graphed = GraphedStep(step_fn, params)          # step_fn(x, y) -> (loss, metrics); calls backward
     loss, metrics = graphed(x, y)                    # copies x, y into the graph's inputs and replays
     optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+A replay adds into .grad as an eager backward does, so gradient accumulation is replaying once per
+micro-batch: the graph's backward adds into gradient buffers of its own (captured with the gradients
+already allocated, so that autograd adds in place instead of allocating new ones inside the graph),
+and each replay first makes those buffers hold what .grad holds: zero where it is None (after
+zero_grad), a copy where the caller put another tensor. The loop's gradient all-reduce under DDP
+happens after the replays (flm.train.parallel.wrap says why).
 
 Constraints (checked where they can be): CUDA; fixed input shapes; everything inside step_fn on the
 GPU with no host synchronisation; Python values read inside step_fn (say a warm-up factor that depends
@@ -34,7 +42,7 @@ class GraphedStep:
         """step_fn(*inputs) -> (loss, metrics dict of tensors), with the backward inside.
 
         warmup: eager calls on a side stream before capture (Triton autotuning, cuDNN and allocator
-        warm-up must not happen inside the graph); their gradients are discarded.
+        warm-up must not happen inside the graph); their gradients are discarded, and .grad is as before.
         """
         self.step_fn, self.params, self.warmup = step_fn, [p for p in params if p.requires_grad], warmup
         self.graph = self.static_inputs = self.static_out = self.grads = None
@@ -44,6 +52,7 @@ class GraphedStep:
             if not x.is_cuda:
                 raise ValueError(f"CUDA-graph steps need CUDA inputs, got input {i} on {x.device}; set trainer.cuda_graph=false")
         self.static_inputs = [x.clone() for x in inputs]
+        before = [p.grad for p in self.params]
         # the warm-up calls draw random numbers; restore the state so that the first replay draws what
         # an eager step would (a graphed run then follows the eager run and resumes exactly)
         rng = torch.get_rng_state(), torch.cuda.get_rng_state()
@@ -54,7 +63,10 @@ class GraphedStep:
                 self._zero_grads()
                 self.step_fn(*self.static_inputs)
         torch.cuda.current_stream().wait_stream(side)
-        self._zero_grads()  # the gradients must be allocated inside the graph's memory pool
+        # the buffers the graph adds into: one for each parameter the step gives a gradient, None for the others
+        self.grads = [None if p.grad is None else torch.zeros_like(p.grad) for p in self.params]
+        for p, g in zip(self.params, self.grads):
+            p.grad = g
         self.graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(self.graph):
@@ -66,7 +78,9 @@ class GraphedStep:
                 f"the step synchronises with the host or uses another stream. Set trainer.cuda_graph=false to train "
                 f"eagerly"
             ) from err
-        self.grads = [p.grad for p in self.params]
+        finally:
+            for p, g in zip(self.params, before):
+                p.grad = g
         torch.set_rng_state(rng[0])
         torch.cuda.set_rng_state(rng[1])
 
@@ -85,8 +99,23 @@ class GraphedStep:
                         f"{tuple(static.shape)} and {static.dtype}; keep the batch shape fixed (drop the last partial batch)"
                     )
                 static.copy_(x, non_blocking=True)
+        take_grads(self.params, self.grads)
         self.graph.replay()
-        # replay rewrites the captured gradient buffers; re-attach them in case the caller set .grad to None
-        for p, g in zip(self.params, self.grads):
-            p.grad = g
         return self.static_out
+
+
+def take_grads(params, buffers) -> None:
+    """Point each parameter's .grad at its buffer (None: the graph gives it no gradient, leave it), holding what
+    .grad held: zeros where it was None, a copy where it was another tensor; the replay then adds into it, as an
+    eager backward adds into .grad."""
+    zero = []
+    for p, g in zip(params, buffers):
+        if g is None or p.grad is g:
+            continue
+        if p.grad is None:
+            zero.append(g)
+        else:
+            g.copy_(p.grad)
+        p.grad = g
+    if zero:
+        torch._foreach_zero_(zero)

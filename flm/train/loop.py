@@ -49,7 +49,7 @@ from flm.train.ema import EMA
 from flm.train.evaluation import InTraining
 from flm.train.graphs import GraphedStep
 from flm.train.optim import OptimConfig, Optimizer, with_decay_steps
-from flm.train.parallel import grad_sync, wrap, wrap_copy
+from flm.train.parallel import grad_sync, wrap, wrap_copy, wrapper_syncs
 from flm.train.sampling import class_labels, generate, save_grid
 from flm.train.settings import TrainerConfig, amp_dtype, check_compile, check_cuda_graph, local_batch_size, takes_jvp
 from flm.train.state import TrainState, key
@@ -88,18 +88,26 @@ def build_state(
         start_from(raw, nets[name])  # a distillation's student starts as its teacher
     # the EMA copies first: under FSDP2, wrap() shards raw in place (and wrap_copy shards the copies alike)
     ema = EMA(raw, trainer.ema_decays, wrap=lambda m: wrap_copy(m, device, trainer.parallel), sigma_rels=trainer.ema_sigma_rels)
-    model = wrap(raw, device, trainer.parallel)
+    model = wrap(raw, device, trainer.parallel, cuda_graph=trainer.cuda_graph)
     if trainer.compile and not takes_jvp(objective):  # a JVP objective's whole loss is compiled instead (train)
         model = torch.compile(model)
+
+    def unsynced(net: nn.Module):  # the parameters whose gradients the optimizer averages over the ranks
+        return () if wrapper_syncs(trainer.parallel, cuda_graph=trainer.cuda_graph) else net.parameters()
+
     optimizers = {
-        "model": Optimizer(nn.ModuleDict({"model": raw, "objective": objective}), optim, replicated=objective.parameters())
+        "model": Optimizer(
+            nn.ModuleDict({"model": raw, "objective": objective}), optim, replicated=[*objective.parameters(), *unsynced(raw)]
+        )
     }
     trainable, extras = {}, {}
     for name, network in objective.networks.items():  # a distillation's teacher and fake score
         net = nets[name]
         if network.trainable:
-            trainable[name], extras[name] = net, wrap(net, device, trainer.parallel)
-            optimizers[name] = Optimizer(nn.ModuleDict({name: net}), dataclasses.replace(optim, **network.optim))
+            trainable[name], extras[name] = net, wrap(net, device, trainer.parallel, cuda_graph=trainer.cuda_graph)
+            optimizers[name] = Optimizer(
+                nn.ModuleDict({name: net}), dataclasses.replace(optim, **network.optim), replicated=unsynced(net)
+            )
         else:
             extras[name] = wrap_copy(net.requires_grad_(False).eval(), device, trainer.parallel)
     return TrainState(

@@ -106,8 +106,9 @@ class Optimizer:
     """AdamW and its warm-up schedule over the trainable parameters of `modules`, whose names key the
     checkpoint's optimizer state (flm.train.checkpoint.optimizer_state).
 
-    replicated: the parameters outside any DDP / FSDP2 wrapper (an objective's own), whose gradients
-    are averaged over the ranks here so that every rank steps alike. state_dict() gathers whole
+    replicated: the parameters outside any DDP / FSDP2 wrapper (an objective's own; all of them in a CUDA-
+    graphed DDP run, flm.train.parallel.wrap), whose gradients are averaged over the ranks here, in one
+    flat all-reduce, so that every rank steps alike. state_dict() gathers whole
     tensors and must be called on every rank; `schedule` is the scheduler's checkpoint part.
     """
 
@@ -119,9 +120,7 @@ class Optimizer:
 
     def clip(self) -> torch.Tensor:
         """Average the replicated gradients, clip all to optim.grad_clip; the total norm before clipping."""
-        for p in self.replicated:
-            if p.grad is not None:
-                p.grad = dist.all_mean(p.grad)
+        dist.all_mean_([p.grad for p in self.replicated if p.grad is not None])
         return clip_grad_norm_(self.params, self.cfg.grad_clip if self.cfg.grad_clip > 0 else math.inf)
 
     def step(self, skip: torch.Tensor) -> None:

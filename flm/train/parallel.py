@@ -1,7 +1,8 @@
 """Data parallelism for the training loop (`trainer.parallel`): DDP or FSDP2 under torchrun, the model
 itself on one process.
 
-- ddp: every rank holds the whole model; backward all-reduces the gradients.
+- ddp: every rank holds the whole model; backward all-reduces the gradients (under trainer.cuda_graph=true
+  the optimizer does, after the graph: wrap()).
 - fsdp: FSDP2 (`fully_shard`) on each DiT block, then on the root, over a 1-D mesh of all ranks (the
   torchtitan recipe): a rank keeps 1/N of the parameters, gradients and optimizer state and
   all-gathers a block's weights just before it runs. Mixed precision stays bf16 autocast (parameters,
@@ -22,9 +23,24 @@ from flm import dist
 PARALLEL = ("ddp", "fsdp")
 
 
-def wrap(model: nn.Module, device: torch.device, parallel: str) -> nn.Module:
-    """The model to train: DDP or FSDP2 under torchrun, the model itself on one process."""
-    if dist.world_size() == 1:
+def wrapper_syncs(parallel: str, *, cuda_graph: bool) -> bool:
+    """Whether wrap() gives a model that averages its gradients over the ranks itself (DDP's hooks, FSDP2's
+    reduce-scatters). Where it does not, the optimizer averages them (flm.train.optim.Optimizer's `replicated`)."""
+    return dist.world_size() > 1 and not (parallel == "ddp" and cuda_graph)
+
+
+def wrap(model: nn.Module, device: torch.device, parallel: str, *, cuda_graph: bool = False) -> nn.Module:
+    """The model to train: DDP or FSDP2 under torchrun, the model itself on one process.
+
+    With trainer.cuda_graph=true DDP is left out: its reducer all-reduces gradient buckets from autograd hooks
+    that decide on the host, at every backward, what is ready (and skip it under no_sync), and a graph replay
+    runs no hooks. PyTorch can capture DDP (static_graph=True, eager warm-up iterations), but with gradient
+    accumulation that takes one graph with the all-reduce and one without, around the reducer's internals.
+    Instead the graph captures loss + backward of the plain model, and after the step's last replay the
+    optimizer averages all gradients in one flat all-reduce (flm.dist.all_mean_), outside the graph: the same
+    mean gradient as DDP's, with the communication after the backward rather than overlapped with it.
+    """
+    if not wrapper_syncs(parallel, cuda_graph=cuda_graph):
         return model
     if parallel == "fsdp":
         return _fully_shard(model, device)

@@ -19,7 +19,7 @@ class TrainerConfig:
     device: str = "auto"  # auto | cpu | cuda
     precision: str = "auto"  # auto (bf16 autocast on CUDA, fp32 on CPU) | bf16 | fp32
     compile: bool = False  # torch.compile: the model, or a JVP objective's loss (jvp_mode=func, attention=math, one process)
-    cuda_graph: bool = False  # replay loss + backward as one CUDA graph (one GPU; flm.train.graphs)
+    cuda_graph: bool = False  # replay loss + backward as one CUDA graph (one GPU or DDP, not FSDP2; flm.train.graphs)
     parallel: str = "ddp"  # under torchrun: ddp | fsdp (FSDP2: parameters, gradients, optimizer state and EMA sharded)
     class_conditional: bool = True  # condition on the dataset's labels (enables cfg_scale when sampling)
     ema_decays: list[float] = field(default_factory=lambda: [0.999])
@@ -78,14 +78,18 @@ def amp_dtype(precision: str, device: torch.device) -> torch.dtype | None:
 
 
 def check_cuda_graph(trainer: TrainerConfig, device: torch.device, world: int) -> None:
-    """trainer.cuda_graph=true captures one process's loss + backward; refuse what it cannot capture."""
+    """trainer.cuda_graph=true captures each process's loss + backward of one micro-batch (replayed once per
+    micro-batch; under DDP the gradients are averaged after the replays, flm.train.parallel.wrap); refuse what
+    it cannot capture."""
     problems = []
     if device.type != "cuda":
         problems.append(f"it needs a CUDA device, and this run is on {device}")
-    if world > 1:
-        problems.append(f"it runs on one process, and this run has {world} (DDP/FSDP2 communication is not captured)")
-    if trainer.grad_accum > 1:
-        problems.append(f"it captures one micro-batch per step, and trainer.grad_accum={trainer.grad_accum}")
+    if world > 1 and trainer.parallel == "fsdp":
+        problems.append(
+            f"FSDP2 ({world} processes, trainer.parallel=fsdp) all-gathers and reduce-scatters from hooks on streams of "
+            f"its own and frees each block's gathered weights after use, which a replay cannot repeat (trainer.parallel=ddp "
+            f"can be graphed)"
+        )
     if trainer.compile:
         problems.append("it replaces torch.compile, and trainer.compile=true")
     if problems:

@@ -37,6 +37,35 @@ def test_target_away_from_the_solution(jvp_mode):
     torch.testing.assert_close(loss, 4 * c**2 * ((2 * t - r) ** 2).mean(), rtol=1e-4, atol=0)
 
 
+def test_split_target_is_exact_at_the_solution():
+    torch.manual_seed(0)
+    _, metrics = MeanFlow(r_neq_t=1.0, split_above=0.0, split_frac=1.0).loss(PointMassMeanFlow(A), _data())
+    assert metrics["mse"] < 1e-10
+
+
+def test_split_target_away_from_the_solution():
+    """u = (z - a)/t + c t. Two half jumps through s = (t + r)/2 give u_tgt = (z - a)/t + c (t + s - t (t - s) / s) / 2,
+    so u - u_tgt = c (t - r)(s + t) / (4 s) on the split intervals (the batch's longest quarter, if above 0.3) and
+    c (2t - r) (the identity's) on the others."""
+    c, x = 0.3, _data()
+    objective = MeanFlow(r_neq_t=1.0, adaptive_p=0.0, split_above=0.3, split_frac=0.25)
+    torch.manual_seed(1)
+    loss, _ = objective.loss(PointMassMeanFlow(A, offset=c), x)
+    torch.manual_seed(1)
+    t, r = objective.sample_times(x.shape[0], x.device)
+    s = (t + r) / 2
+    longest = torch.zeros_like(t, dtype=torch.bool)
+    longest[torch.topk(t - r, 16).indices] = True  # 0.25 of 64
+    split = longest & (t - r > 0.3)
+    assert split.any() and ((t - r > 0.3) & ~longest).any()  # the cap binds: some long intervals keep the identity
+    err = torch.where(split, c * (t - r) * (s + t) / (4 * s), c * (2 * t - r))
+    torch.testing.assert_close(loss, 4 * (err**2).mean(), rtol=1e-4, atol=0)
+    with pytest.raises(ValueError, match="split_above must be an interval length"):
+        MeanFlow(split_above=1.0)
+    with pytest.raises(ValueError, match="split_frac must be a fraction"):
+        MeanFlow(split_above=0.5, split_frac=0.0)
+
+
 def test_model_tangent_away_from_the_solution():
     """tangent="model" puts u(z, t, t) = v + c t into the JVP: du/dt = 2c, u - u_tgt = c (3t - 2r)."""
     c, x = 0.3, _data()
@@ -57,6 +86,20 @@ def test_sample_times():
     t, r = MeanFlow(r_neq_t=0.25).sample_times(20000, "cpu")
     assert (t >= r).all() and r.min() > 0 and t.max() < 1
     torch.testing.assert_close((r != t).float().mean(), torch.tensor(0.25), atol=0.02, rtol=0)
+
+
+def test_sample_times_r_zero():
+    """r_zero puts that fraction at r = 0 whatever r_neq_t; the rest keep the two-draw proposal, and t is untouched."""
+    torch.manual_seed(0)
+    t0, _ = MeanFlow(r_neq_t=0.0).sample_times(20000, "cpu")
+    torch.manual_seed(0)
+    t, r = MeanFlow(r_neq_t=0.0, r_zero=0.4).sample_times(20000, "cpu")
+    torch.testing.assert_close(t, t0)
+    zero = r == 0
+    torch.testing.assert_close(zero.float().mean(), torch.tensor(0.4), atol=0.02, rtol=0)
+    assert (r[~zero] == t[~zero]).all()
+    with pytest.raises(ValueError, match="r_zero must be a probability"):
+        MeanFlow(r_zero=-0.1)
 
 
 def test_adaptive_weight_gradient():

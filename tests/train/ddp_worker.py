@@ -1,6 +1,7 @@
 """Runs under torchrun for test_distributed.py: several short trainings in one process group (one
 launch, not one per run). argv[1] is a JSON list of [run_dir, [overrides]]; a run that raises writes
-its message to <run_dir>/error.txt (on rank 0) and the next run starts."""
+its message to <run_dir>/error.txt (on rank 0) and the next run starts. argv[2] = "unwrapped": DDP is left
+out as under trainer.cuda_graph=true (flm.train.parallel.wrap), and the optimizer averages every gradient."""
 
 import json
 import pathlib
@@ -44,6 +45,10 @@ def main(jobs_file: str) -> None:
     from tests.train.conftest import TINY, load_entry
 
     train_entry = load_entry("train")
+    if sys.argv[2:] == ["unwrapped"]:
+        from flm.train import loop, parallel
+
+        parallel.wrapper_syncs = loop.wrapper_syncs = lambda mode, *, cuda_graph: False
     for run_dir, overrides in json.loads(pathlib.Path(jobs_file).read_text()):
         with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
             cfg = compose(config_name="train", overrides=TINY + overrides)

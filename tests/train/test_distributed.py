@@ -1,13 +1,16 @@
 """Two processes on the CPU (gloo, launched with torchrun): DDP and FSDP2 with a JVP objective (both
 JVP modes) train as one process with the same global batch, a broken sync is caught, checkpoints move
-between world sizes and parallel modes (2 -> 1, 1 -> 2, DDP <-> FSDP2)."""
+between world sizes and parallel modes (2 -> 1, 1 -> 2, DDP <-> FSDP2); flm.dist.all_mean_, the flat
+gradient all-reduce of a CUDA-graphed DDP run, averages in place."""
 
 import json
 
 import pytest
 import torch
+import torch.distributed as torch_dist
 from hydra import compose, initialize_config_dir
 
+from flm import dist
 from flm.train import checkpoint
 
 from .conftest import ROOT, TINY, load_entry, torchrun
@@ -25,11 +28,11 @@ def run_one(run_dir, overrides):
     load_entry("train").run(cfg, str(run_dir))
 
 
-def run_two(tmp, jobs):
+def run_two(tmp, jobs, *worker_args):
     """The jobs ([run_dir, overrides]) in one torchrun launch of two CPU processes."""
     jobs_file = tmp / "jobs.json"
     jobs_file.write_text(json.dumps([[str(d), TINY + COMMON + o] for d, o in jobs]))
-    torchrun(ROOT / "tests" / "train" / "ddp_worker.py", jobs_file)
+    torchrun(ROOT / "tests" / "train" / "ddp_worker.py", jobs_file, *worker_args)
 
 
 @pytest.fixture(scope="module")
@@ -114,3 +117,35 @@ def test_a_replicated_tensor_out_of_sync_under_fsdp2_stops_the_run(runs):
         error
     )
     assert not checkpoint.list_checkpoints(str(runs / "fsdp-skew"))
+
+
+def test_two_unwrapped_processes_train_as_one(runs, tmp_path):
+    """A CUDA-graphed DDP run's communication, on the CPU: the model left unwrapped, every gradient averaged by the
+    optimizer in one flat all-reduce (flm.train.parallel.wrap); the same training as one process."""
+    run_two(tmp_path, [(tmp_path / "unwrapped", ["objective.jvp_mode=dual"])], "unwrapped")
+    assert not (tmp_path / "unwrapped" / "error.txt").exists(), (tmp_path / "unwrapped" / "error.txt").read_text()
+    assert_same_training(final(tmp_path / "unwrapped"), final(runs / "one-dual"))
+    assert logged(tmp_path / "unwrapped") == pytest.approx(logged(runs / "one-dual"), rel=1e-5)
+
+
+def _mean_of_ranks(rank: int, tmp: str) -> None:
+    torch_dist.init_process_group("gloo", store=torch_dist.FileStore(f"{tmp}/store", 2), rank=rank, world_size=2)
+    try:
+        tensors = [
+            torch.full((2, 3), float(rank)),
+            torch.arange(4.0) * (rank + 1),
+            torch.full((5,), rank + 1.0, dtype=torch.float64),
+        ]
+        given = list(tensors)
+        dist.all_mean_(tensors)
+        assert all(t is g for t, g in zip(tensors, given))
+        torch.save(tensors, f"{tmp}/{rank}.pt")
+    finally:
+        torch_dist.destroy_process_group()
+
+
+def test_all_mean_averages_tensors_of_two_dtypes_in_place(tmp_path):
+    torch.multiprocessing.spawn(_mean_of_ranks, args=(str(tmp_path),), nprocs=2)
+    expected = [torch.full((2, 3), 0.5), torch.arange(4.0) * 1.5, torch.full((5,), 1.5, dtype=torch.float64)]
+    for rank in range(2):
+        torch.testing.assert_close(torch.load(tmp_path / f"{rank}.pt"), expected)

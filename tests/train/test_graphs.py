@@ -1,13 +1,22 @@
-"""flm.train.graphs: a MeanFlow / sCM step replayed as a CUDA graph gives the eager step's gradients.
+"""flm.train.graphs: a MeanFlow / sCM step replayed as a CUDA graph gives the eager step's gradients, replays
+accumulate them as eager backwards do, and a graphed DDP step (the model unwrapped, one flat all-reduce after
+the replays) averages what DDP averages.
 
-The CUDA tests are marked gpu; the input check runs anywhere.
+The CUDA tests are marked gpu; the input check, the gradient hand-over and the refusals run anywhere.
 """
+
+import contextlib
+import copy
 
 import pytest
 import torch
+import torch.distributed as torch_dist
 
+from flm import dist
 from flm.objectives import build_objective
-from flm.train.graphs import GraphedStep
+from flm.train import loop, parallel
+from flm.train.graphs import GraphedStep, take_grads
+from flm.train.settings import TrainerConfig, check_cuda_graph
 from tests.models.tiny import tiny_dit
 
 
@@ -15,6 +24,21 @@ def test_cpu_inputs_are_refused_before_anything_is_captured():
     step = GraphedStep(lambda x: (x.sum(), {}), [])
     with pytest.raises(ValueError, match="CUDA-graph steps need CUDA inputs.*cuda_graph=false"):
         step(torch.zeros(2))
+
+
+def test_a_replay_starts_from_what_grad_holds():
+    """take_grads, before every replay: zeros where .grad is None (after zero_grad), the buffer as it is where
+    .grad is the buffer (accumulating micro-batches), a copy where .grad is another tensor; parameters the graph
+    gives no gradient keep theirs."""
+    params = [torch.nn.Parameter(torch.ones(3)) for _ in range(4)]
+    buffers = [torch.full((3,), 7.0), torch.full((3,), 2.0), torch.full((3,), 7.0), None]
+    params[1].grad, params[2].grad, params[3].grad = buffers[1], torch.full((3,), 5.0), torch.full((3,), 4.0)
+    take_grads(params, buffers)
+    assert all(p.grad is g for p, g in zip(params[:3], buffers[:3]))
+    assert params[0].grad.tolist() == [0.0] * 3
+    assert params[1].grad.tolist() == [2.0] * 3
+    assert params[2].grad.tolist() == [5.0] * 3
+    assert params[3].grad.tolist() == [4.0] * 3
 
 
 def _flat_grads(params):
@@ -79,7 +103,6 @@ def test_replays_draw_fresh_noise_and_refuse_another_shape():
     "overrides, message",
     [
         (["trainer.device=cpu"], "needs a CUDA device"),
-        (["trainer.device=cpu", "trainer.grad_accum=2"], "trainer.grad_accum=2"),
         (["trainer.device=cpu", "trainer.compile=true"], "trainer.compile=true"),
     ],
 )
@@ -89,23 +112,39 @@ def test_the_loop_refuses_what_a_graph_cannot_capture(tmp_path, train_run, overr
     assert not (tmp_path / "checkpoints").exists()
 
 
+def test_fsdp2_is_refused_with_the_reason_and_ddp_with_accumulation_is_not():
+    cuda = torch.device("cuda", 0)  # a device object only: nothing runs on it
+    fsdp = TrainerConfig(cuda_graph=True, parallel="fsdp", grad_accum=2)
+    with pytest.raises(ValueError, match=r"FSDP2 \(2 processes.*cannot repeat.*Set trainer.cuda_graph=false$"):
+        check_cuda_graph(fsdp, cuda, world=2)
+    check_cuda_graph(fsdp, cuda, world=1)  # one process: nothing is sharded
+    check_cuda_graph(TrainerConfig(cuda_graph=True, parallel="ddp", grad_accum=4), cuda, world=8)
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("objective", ["meanflow", "scm"])
-def test_a_graphed_run_follows_the_eager_run(tmp_path, train_run, objective):
-    # sCM: the step (its tangent warm-up over 2 steps) enters the graph as a tensor
+@pytest.mark.parametrize("objective, grad_accum", [("meanflow", 1), ("scm", 1), ("meanflow", 2), ("scm", 2)])
+def test_a_graphed_run_follows_the_eager_run(tmp_path, train_run, objective, grad_accum):
+    # sCM: the step (its tangent warm-up over 2 steps) enters the graph as a tensor; grad_accum=2: one replay per
+    # micro-batch, each adding into the gradients
     common = [
         f"objective={objective}",
         "attention=triton_jvp",
         "trainer.device=cuda",
         "trainer.max_steps=6",
         "trainer.log_every=1",
+        f"trainer.grad_accum={grad_accum}",
     ]
     if objective == "scm":
         common.append("objective.warmup_steps=2")
-    train_run(tmp_path / "eager", common)
-    train_run(tmp_path / "graph", common + ["trainer.cuda_graph=true"])
+    assert_graphed_follows_eager(tmp_path, train_run, common, steps=6)
+
+
+def assert_graphed_follows_eager(tmp_path, train_run, overrides, steps: int):
+    """The losses of a run with trainer.cuda_graph=true against those of the same run eager (bf16 noise)."""
+    train_run(tmp_path / "eager", overrides)
+    train_run(tmp_path / "graph", [*overrides, "trainer.cuda_graph=true"])
     eager, graph = (read_losses(tmp_path / name) for name in ("eager", "graph"))
-    assert len(eager) == len(graph) == 6
+    assert len(eager) == len(graph) == steps
     assert torch.allclose(torch.tensor(graph), torch.tensor(eager), rtol=2e-2, atol=1e-4), (eager, graph)
 
 
@@ -129,3 +168,108 @@ def test_a_step_that_syncs_with_the_host_cannot_be_captured_and_says_so():
         GraphedStep(syncs, [w])(torch.ones(3, device="cuda"))
     # the process can still draw random numbers on the GPU (a failed capture leaves the generator capturing)
     assert torch.randn(4, device="cuda").isfinite().all()
+
+
+def _micro_step(objective, model, grad_accum: int):
+    """The loop's loss_and_backward in fp32: each micro-batch's loss scaled by 1 / grad_accum."""
+
+    def loss_and_backward(x, y):
+        loss, metrics = objective.loss(model, x, y, step=10**6)
+        (loss / grad_accum).backward()
+        return loss, metrics
+
+    return loss_and_backward
+
+
+def _batches(n: int, seed: int):
+    g = torch.Generator("cuda").manual_seed(seed)
+    return [
+        (torch.randn(4, 4, 16, 16, device="cuda", generator=g), torch.randint(0, 10, (4,), device="cuda", generator=g))
+        for _ in range(n)
+    ]
+
+
+def _accumulate(step_fn, batches, sync=lambda micro: contextlib.nullcontext()):
+    """One optimizer step's micro-batches as the loop runs them: a seed per micro-batch, the losses kept."""
+    losses = []
+    for micro, (x, y) in enumerate(batches):
+        torch.manual_seed(micro)  # the same noise and times in both runs
+        with sync(micro):
+            losses.append(step_fn(x, y)[0].detach().clone())  # a graph's output is overwritten by the next replay
+    return torch.stack(losses)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("objective_name", ["flow_matching", "meanflow", "scm"])
+def test_replays_accumulate_gradients_as_eager_backwards_do(objective_name):
+    """fp32, equal inputs and noise: 3 micro-batches, one replay each, give the eager accumulated gradients; the
+    next step (.grad set to None, as zero_grad does) starts from zero again."""
+    objective = build_objective(objective_name).cuda()
+    model = tiny_dit(attention="math", time_inputs=objective.time_inputs, input_size=16, channels=4).cuda()
+    params = list(model.parameters()) + list(objective.parameters())
+    eager_step = _micro_step(objective, model, grad_accum=3)
+    graphed = GraphedStep(eager_step, params)
+    for step in range(2):  # step 0 captures on its first micro-batch
+        batches = _batches(3, seed=step)
+        results = []
+        for fn in (eager_step, graphed):
+            for p in params:
+                p.grad = None
+            losses = _accumulate(fn, batches)
+            results.append((losses, _flat_grads(params)))
+        (loss_eager, eager), (loss_graph, graph) = results
+        torch.testing.assert_close(loss_graph, loss_eager, rtol=1e-4, atol=1e-6)
+        assert ((graph - eager).norm() / eager.norm()).item() < 1e-4
+
+
+@pytest.fixture
+def nccl_group_of_one(tmp_path):
+    """A world-1 NCCL process group in this process, as torchrun's rank 0 would have."""
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    store = torch_dist.FileStore(str(tmp_path / "nccl_store"), 1)
+    torch_dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=device)
+    try:
+        yield
+    finally:
+        torch_dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+def test_a_graphed_step_then_one_flat_all_reduce_gives_ddps_gradients(nccl_group_of_one):
+    """What a graphed DDP run does instead of DDP's hooks (flm.train.parallel.wrap): replays of the plain model's
+    loss + backward, then flm.dist.all_mean_ over NCCL, against DDP eager with no_sync on the first micro-batch."""
+    objective = build_objective("meanflow").cuda()
+    model = tiny_dit(attention="math", time_inputs=objective.time_inputs, input_size=16, channels=4).cuda()
+    ddp = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(model), device_ids=[0])
+    graphed = GraphedStep(_micro_step(objective, model, grad_accum=2), list(model.parameters()))
+    no_sync = lambda micro: ddp.no_sync() if micro == 0 else contextlib.nullcontext()  # noqa: E731
+    for step in range(2):
+        batches = _batches(2, seed=step)
+        for p in [*model.parameters(), *ddp.parameters()]:
+            p.grad = None
+        loss_ddp = _accumulate(_micro_step(objective, ddp, grad_accum=2), batches, sync=no_sync)
+        loss_graph = _accumulate(graphed, batches)
+        dist.all_mean_([p.grad for p in model.parameters()])
+        torch.testing.assert_close(loss_graph, loss_ddp, rtol=1e-4, atol=1e-6)
+        eager, graph = _flat_grads(list(ddp.module.parameters())), _flat_grads(list(model.parameters()))
+        assert ((graph - eager).norm() / eager.norm()).item() < 1e-4
+
+
+@pytest.mark.gpu
+def test_a_graphed_ddp_run_follows_the_eager_ddp_run(tmp_path, train_run, nccl_group_of_one, monkeypatch):
+    """The loop under DDP, on one GPU: the eager run wraps the model in DDP (all-reduce from its hooks, no_sync on the
+    first micro-batch), the graphed run leaves it plain and averages the gradients in the optimizer. On one rank
+    flm does not wrap at all, so here wrap() acts as it does on several."""
+    on_many = lambda mode, *, cuda_graph: not (mode == "ddp" and cuda_graph)  # noqa: E731
+    monkeypatch.setattr(parallel, "wrapper_syncs", on_many)
+    monkeypatch.setattr(loop, "wrapper_syncs", on_many)
+    common = [
+        "attention=triton_jvp",
+        "trainer.device=cuda",
+        "trainer.max_steps=4",
+        "trainer.log_every=1",
+        "trainer.grad_accum=2",
+        "trainer.sync_check_every=1",
+    ]
+    assert_graphed_follows_eager(tmp_path, train_run, common, steps=4)

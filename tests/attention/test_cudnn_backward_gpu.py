@@ -1,0 +1,114 @@
+"""cuDNN's attention backward fed with flm's O and lse (triton_jvp.torch_cudnn_bwd) against PyTorch's
+FlashAttention-2 backward and float64 math, the statistics format against cuDNN's own forward, and the
+fused attention's gradient end to end with FLM_ATTN_BACKWARD=cudnn.
+
+Run on a CUDA machine: pytest -m gpu tests/attention
+"""
+
+import pytest
+import torch
+
+import flm.attention as fa
+from flm.attention import triton_jvp
+from tests.attention.reference import grads64, rel_err
+
+pytestmark = pytest.mark.gpu
+
+TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3}  # against float64, as in test_triton_jvp_gpu.py
+GRID = [(d, n, causal) for d in (64, 128) for n in (256, 1024) for causal in (False, True)]
+
+
+def _skip_without_cudnn(dtype, head_dim):
+    problem = triton_jvp.cudnn_unsupported(torch.device("cuda"), dtype, head_dim)
+    if problem:
+        pytest.skip(f"cuDNN's attention backward {problem}")
+
+
+def _inputs(b, h, n, d, dtype, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return (torch.randn(b, h, n, d, device="cuda", generator=g).to(dtype) for _ in range(4))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("d, n, causal", GRID)
+def test_cudnn_backward_matches_fa2_and_math(d, n, causal, dtype):
+    _skip_without_cudnn(dtype, d)
+    q, k, v, do = _inputs(1, 2, n, d, dtype)
+    scale = d**-0.5
+    o, lse = torch.ops.flm.attention_fwd(q, k, v, causal, scale)
+    got = triton_jvp.torch_cudnn_bwd(do, q, k, v, o, lse, causal, scale)
+    fa2 = triton_jvp.torch_fa2_bwd(do, q, k, v, o, lse, causal, scale)
+    for g, f, ref in zip(got, fa2, grads64(q, k, v, do, causal=causal)):
+        assert g.shape == ref.shape and g.dtype == dtype
+        assert rel_err(g, ref) < TOL[dtype]
+        assert rel_err(g, f) < TOL[dtype]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 128])
+def test_cudnn_forward_statistics_are_what_flm_feeds(d, causal):
+    """cuDNN's own forward returns the statistics its backward reads: the same shape, dtype and numbers as
+    flm's lse in the form torch_cudnn_bwd passes it (natural log, (B, H, Lq, 1)); log2 would differ by 44 %."""
+    _skip_without_cudnn(torch.bfloat16, d)
+    q, k, v, _ = _inputs(2, 3, 1000, d, torch.bfloat16)
+    scale = d**-0.5
+    o_cudnn, lse_cudnn = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False, scale=scale)[
+        :2
+    ]
+    o, lse = torch.ops.flm.attention_fwd(q, k, v, causal, scale)
+    fed = lse.unsqueeze(-1)
+    assert lse_cudnn.dtype == fed.dtype == torch.float32
+    assert lse_cudnn.shape == fed.shape == (2, 3, 1000, 1)
+    torch.testing.assert_close(lse_cudnn, fed, rtol=0, atol=1e-2)
+    assert rel_err(o, o_cudnn) < TOL[torch.bfloat16]
+
+
+def test_cudnn_backward_takes_views_and_padded_head_dims():
+    """q, k, v as views of a fused (B, N, 3, H, D) projection, head dim 72, dO in another layout than O."""
+    _skip_without_cudnn(torch.bfloat16, 72)
+    b, n, h, d = 2, 333, 4, 72
+    qkv = torch.randn(b, n, 3, h, d, device="cuda").to(torch.bfloat16)
+    q, k, v = qkv.permute(2, 0, 3, 1, 4)
+    do = torch.randn(b, n, h, d, device="cuda").to(torch.bfloat16).transpose(1, 2)
+    o, lse = torch.ops.flm.attention_fwd(q, k, v, False, d**-0.5)
+    assert o.stride() != do.stride()
+    got = triton_jvp.torch_cudnn_bwd(do, q, k, v, o, lse, False, d**-0.5)
+    for g, ref in zip(got, grads64(q, k, v, do)):
+        assert rel_err(g, ref) < TOL[torch.bfloat16]
+
+
+def test_hopper_defaults_to_cudnn():
+    q = torch.randn(1, 1, 8, 64, device="cuda", dtype=torch.bfloat16)
+    hopper = torch.cuda.get_device_capability()[0] == 9
+    expected = "cudnn" if hopper and triton_jvp.cudnn_unsupported(q.device, q.dtype, 64) is None else "torch_fa2"
+    if expected == "torch_fa2" and triton_jvp._flash_attn_backward() is not None:
+        expected = "flash_attn"
+    assert triton_jvp.backward_impl(q) == expected
+    assert triton_jvp._CUDNN_VERDICTS.get((q.device, q.dtype, 64)) is None  # its self-check passed (or never ran)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("causal", [False, True])
+def test_jvp_attention_gradient_end_to_end_matches_sdpa(monkeypatch, causal, dtype):
+    """flm.attention.attention(backend='triton_jvp') through autograd, plain and with dual tangents (the
+    fused JVP forward), with the backward forced to cuDNN's, against SDPA's gradient."""
+    _skip_without_cudnn(dtype, 64)
+    monkeypatch.setenv(triton_jvp.BACKWARD_ENV, "cudnn")
+    q, k, v, do = _inputs(2, 4, 1024, 64, dtype, seed=1)
+    tq, tk, tv, _ = _inputs(2, 4, 1024, 64, dtype, seed=2)
+
+    def grads(backend, dual):
+        leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+        if dual:
+            o, _ = fa.jvp_attention(*leaves, tq, tk, tv, causal=causal)
+        else:
+            o = fa.attention(*leaves, backend=backend, causal=causal)
+        o.backward(do)
+        return [x.grad for x in leaves]
+
+    ref = grads("sdpa", dual=False)
+    ref64 = grads64(q, k, v, do, causal=causal)
+    for dual in (False, True):
+        for g, r, r64 in zip(grads("triton_jvp", dual), ref, ref64):
+            assert rel_err(g, r64) < TOL[dtype]
+            assert rel_err(g, r) < 2 * TOL[dtype]  # both are a TOL from float64
