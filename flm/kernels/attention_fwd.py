@@ -18,10 +18,15 @@ The bias is read through its strides, so a bias broadcast over batch or heads (s
 A row whose every logit is -inf gets O = tO = 0 and lse = -inf. With the three flags off the kernel
 compiles to the code it had before they existed.
 
-Layouts are (batch, heads, tokens, head_dim) with arbitrary strides for every input. Head dims that
-are not a power of two (72, 96, ...) are zero-padded to one by the wrapper: zeros change neither
-q.k nor the output's first columns, and mask-free head-dim loads keep the kernel fast (masked ones
-ran ~10x slower on an H200).
+Layouts are (batch, heads, tokens, head_dim) with arbitrary strides for every input. A head dim that is
+not a power of two is split into two column chunks, read in place (no padded copies): its largest
+power of two BLOCK_D and a remainder tile BLOCK_D_REM, a power of two of at least 16 (tl.dot's smallest
+K and N), whose columns past the head dim load as 0 and are not stored. 72 = 64 + 8 runs as 64 + 16,
+80 = 64 + 16, 96 = 64 + 32. Above 128 (160, 192, ...) the split kernel hit an illegal memory access on an
+H200 (Triton 3.6, not found on the CPU interpreter), so those head dims are zero-padded to 256 in copies,
+as every non-power-of-two head dim was before the split. q k^T is the sum of the two chunks' products, and P V and
+the tangent accumulator keep one tile per chunk. With BLOCK_D_REM = 0 (a power of two) the kernel is the
+single-chunk one it was before the split; the main chunk's loads carry no head-dim mask either way.
 """
 
 import os
@@ -46,16 +51,24 @@ def _rows(ptr, off_b, off_h, stride_b, stride_h):
 @triton.jit
 def _fwd_inner(
     acc,
+    acc_r,
     acc_t,
+    acc_t_r,
     l_i,
     m_i,
     r_i,
     q,
+    q_r,
     tq,
+    tq_r,
     k_ptrs,
+    kr_ptrs,
     v_ptrs,
+    vr_ptrs,
     tk_ptrs,
+    tkr_ptrs,
     tv_ptrs,
+    tvr_ptrs,
     stride_kn,
     stride_vn,
     stride_tkn,
@@ -72,6 +85,9 @@ def _fwd_inner(
     LKV,
     scale,
     qk_scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_D_REM: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HAS_TANGENT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -81,12 +97,19 @@ def _fwd_inner(
     CAUSAL: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    """Accumulate key blocks [lo, hi). MASK: the range holds the ragged end or the causal diagonal."""
+    """Accumulate key blocks [lo, hi). MASK: the range holds the ragged end or the causal diagonal.
+    The *_r names are the head dim's remainder chunk (used only when BLOCK_D_REM > 0)."""
     k_ptrs += lo * stride_kn
     v_ptrs += lo * stride_vn
+    if BLOCK_D_REM > 0:
+        kr_ptrs += lo * stride_kn
+        vr_ptrs += lo * stride_vn
     if HAS_TANGENT:
         tk_ptrs += lo * stride_tkn
         tv_ptrs += lo * stride_tvn
+        if BLOCK_D_REM > 0:
+            tkr_ptrs += lo * stride_tkn
+            tvr_ptrs += lo * stride_tvn
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + offs_n
@@ -99,8 +122,16 @@ def _fwd_inner(
             kt_mask = None
             v_mask = None
             pad = None
+        if BLOCK_D_REM > 0:  # the remainder's columns past the head dim load as 0 too
+            d_ok = BLOCK_D + tl.arange(0, BLOCK_D_REM) < HEAD_DIM
+            ktr_mask = d_ok[:, None] & kt_mask if MASK else d_ok[:, None]
+            vr_mask = d_ok[None, :] & v_mask if MASK else d_ok[None, :]
         kt = tl.load(k_ptrs, mask=kt_mask, other=pad)
-        s = tl.dot(q, kt, input_precision=PRECISION) * qk_scale  # log2 units
+        s = tl.dot(q, kt, input_precision=PRECISION)
+        if BLOCK_D_REM > 0:
+            kt_r = tl.load(kr_ptrs, mask=ktr_mask, other=0.0)
+            s = tl.dot(q_r, kt_r, s, input_precision=PRECISION)
+        s = s * qk_scale  # log2 units
         if HAS_BIAS:
             b = tl.load(bias_ptrs + cols[None, :] * stride_bn, mask=kt_mask, other=pad)
             s += b.to(tl.float32) * 1.4426950408889634
@@ -123,10 +154,18 @@ def _fwd_inner(
         acc = acc * alpha[:, None]
         v = tl.load(v_ptrs, mask=v_mask, other=pad)
         p_in = p.to(v.dtype)
+        if BLOCK_D_REM > 0:
+            acc_r = acc_r * alpha[:, None]
+            v_r = tl.load(vr_ptrs, mask=vr_mask, other=0.0)
         if HAS_TANGENT:
             tkt = tl.load(tk_ptrs, mask=kt_mask, other=pad)
             ts = tl.dot(tq, kt, input_precision=PRECISION)
-            ts = tl.dot(q, tkt, ts, input_precision=PRECISION) * scale
+            ts = tl.dot(q, tkt, ts, input_precision=PRECISION)
+            if BLOCK_D_REM > 0:
+                tkt_r = tl.load(tkr_ptrs, mask=ktr_mask, other=0.0)
+                ts = tl.dot(tq_r, kt_r, ts, input_precision=PRECISION)
+                ts = tl.dot(q_r, tkt_r, ts, input_precision=PRECISION)
+            ts = ts * scale
             if HAS_BIAS_TANGENT:
                 ts += tl.load(tbias_ptrs + cols[None, :] * stride_tbn, mask=kt_mask, other=pad).to(tl.float32)
             h = p * ts
@@ -137,11 +176,22 @@ def _fwd_inner(
             acc_t = tl.dot(h.to(v.dtype), v, acc_t, input_precision=PRECISION)
             tk_ptrs += BLOCK_N * stride_tkn
             tv_ptrs += BLOCK_N * stride_tvn
+            if BLOCK_D_REM > 0:
+                acc_t_r = acc_t_r * alpha[:, None]
+                tv_r = tl.load(tvr_ptrs, mask=vr_mask, other=0.0)
+                acc_t_r = tl.dot(p_in, tv_r, acc_t_r, input_precision=PRECISION)
+                acc_t_r = tl.dot(h.to(v.dtype), v_r, acc_t_r, input_precision=PRECISION)
+                tkr_ptrs += BLOCK_N * stride_tkn
+                tvr_ptrs += BLOCK_N * stride_tvn
         acc = tl.dot(p_in, v, acc, input_precision=PRECISION)
         m_i = m_new
         k_ptrs += BLOCK_N * stride_kn
         v_ptrs += BLOCK_N * stride_vn
-    return acc, acc_t, l_i, m_i, r_i
+        if BLOCK_D_REM > 0:
+            acc_r = tl.dot(p_in, v_r, acc_r, input_precision=PRECISION)
+            kr_ptrs += BLOCK_N * stride_kn
+            vr_ptrs += BLOCK_N * stride_vn
+    return acc, acc_r, acc_t, acc_t_r, l_i, m_i, r_i
 
 
 @triton.jit
@@ -193,7 +243,9 @@ def _fwd_kernel(
     scale,
     LQ_BUCKET,
     LKV_BUCKET,  # autotune key only: tuned configs are shared by lengths in one bucket
-    BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,  # the head dim's largest power of two (all of it, if it is one)
+    BLOCK_D_REM: tl.constexpr,  # a tile for the rest (>= 16, masked past HEAD_DIM); 0: no rest
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HAS_TANGENT: tl.constexpr,
@@ -212,20 +264,24 @@ def _fwd_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     q_mask = offs_m[:, None] < LQ
 
-    # every row starts 16-byte aligned (strides are multiples of 8 elements): lets loads vectorise
-    # for head dims such as 72 whose strides Triton cannot prove divisible by 16 on its own
-    stride_kn = tl.multiple_of(stride_kn, 8)
-    stride_vn = tl.multiple_of(stride_vn, 8)
-    q_ptrs = _rows(Q, off_b, off_h, stride_qb, stride_qh) + offs_m[:, None] * tl.multiple_of(stride_qm, 8) + offs_d[None, :]
+    # every row starts 16-byte aligned: the wrapper keeps strides multiples of 8 elements. A launch marks
+    # only multiples of 16, and tl.multiple_of on a kernel argument is dropped, so where a head dim such as
+    # 72 makes row strides odd multiples of 8 the kernel states it as arithmetic (x // 8 * 8). Unproven,
+    # the loads could not become 16-byte async copies and the key loop would not be pipelined at all.
+    if BLOCK_D_REM > 0:
+        stride_qm = stride_qm // 8 * 8
+        stride_kn = stride_kn // 8 * 8
+        stride_vn = stride_vn // 8 * 8
+        stride_tqm = stride_tqm // 8 * 8
+        stride_tkn = stride_tkn // 8 * 8
+        stride_tvn = stride_tvn // 8 * 8
+        stride_om = stride_om // 8 * 8
+    q_ptrs = _rows(Q, off_b, off_h, stride_qb, stride_qh) + offs_m[:, None] * stride_qm + offs_d[None, :]
     k_ptrs = _rows(K, off_b, off_h, stride_kb, stride_kh) + offs_d[:, None] + offs_n[None, :] * stride_kn
     v_ptrs = _rows(V, off_b, off_h, stride_vb, stride_vh) + offs_n[:, None] * stride_vn + offs_d[None, :]
     q = tl.load(q_ptrs, mask=q_mask, other=0.0)
     if HAS_TANGENT:
-        stride_tkn = tl.multiple_of(stride_tkn, 8)
-        stride_tvn = tl.multiple_of(stride_tvn, 8)
-        tq_ptrs = (
-            _rows(TQ, off_b, off_h, stride_tqb, stride_tqh) + offs_m[:, None] * tl.multiple_of(stride_tqm, 8) + offs_d[None, :]
-        )
+        tq_ptrs = _rows(TQ, off_b, off_h, stride_tqb, stride_tqh) + offs_m[:, None] * stride_tqm + offs_d[None, :]
         tk_ptrs = _rows(TK, off_b, off_h, stride_tkb, stride_tkh) + offs_d[:, None] + offs_n[None, :] * stride_tkn
         tv_ptrs = _rows(TV, off_b, off_h, stride_tvb, stride_tvh) + offs_n[:, None] * stride_tvn + offs_d[None, :]
         tq = tl.load(tq_ptrs, mask=q_mask, other=0.0)
@@ -233,6 +289,31 @@ def _fwd_kernel(
         tq = q
         tk_ptrs = k_ptrs
         tv_ptrs = v_ptrs
+    # the remainder chunk: the same tiles at columns BLOCK_D .. BLOCK_D + BLOCK_D_REM - 1, zero past HEAD_DIM
+    # (set up after the main chunk's, which then compiles as it did before the split)
+    if BLOCK_D_REM > 0:
+        offs_dr = BLOCK_D + tl.arange(0, BLOCK_D_REM)
+        qr_mask = q_mask & (offs_dr[None, :] < HEAD_DIM)
+        qr_ptrs = _rows(Q, off_b, off_h, stride_qb, stride_qh) + offs_m[:, None] * stride_qm + offs_dr[None, :]
+        kr_ptrs = _rows(K, off_b, off_h, stride_kb, stride_kh) + offs_dr[:, None] + offs_n[None, :] * stride_kn
+        vr_ptrs = _rows(V, off_b, off_h, stride_vb, stride_vh) + offs_n[:, None] * stride_vn + offs_dr[None, :]
+        q_r = tl.load(qr_ptrs, mask=qr_mask, other=0.0)
+        if HAS_TANGENT:
+            tqr_ptrs = _rows(TQ, off_b, off_h, stride_tqb, stride_tqh) + offs_m[:, None] * stride_tqm + offs_dr[None, :]
+            tkr_ptrs = _rows(TK, off_b, off_h, stride_tkb, stride_tkh) + offs_dr[:, None] + offs_n[None, :] * stride_tkn
+            tvr_ptrs = _rows(TV, off_b, off_h, stride_tvb, stride_tvh) + offs_n[:, None] * stride_tvn + offs_dr[None, :]
+            tq_r = tl.load(tqr_ptrs, mask=qr_mask, other=0.0)
+        else:
+            tq_r = q_r
+            tkr_ptrs = kr_ptrs
+            tvr_ptrs = vr_ptrs
+    else:  # unused placeholders
+        q_r = q
+        tq_r = tq
+        kr_ptrs = k_ptrs
+        vr_ptrs = v_ptrs
+        tkr_ptrs = tk_ptrs
+        tvr_ptrs = tv_ptrs
     if HAS_BIAS:
         # (BLOCK_M, 1) row pointers; rows past Lq read row Lq - 1 (never stored), so only keys need load masks
         rows = tl.minimum(offs_m, LQ - 1)[:, None]
@@ -248,6 +329,12 @@ def _fwd_kernel(
     r_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     acc_t = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    if BLOCK_D_REM > 0:
+        acc_r = tl.zeros([BLOCK_M, BLOCK_D_REM], dtype=tl.float32)
+        acc_t_r = tl.zeros([BLOCK_M, BLOCK_D_REM], dtype=tl.float32)
+    else:
+        acc_r = acc
+        acc_t_r = acc_t
     qk_scale = scale * 1.4426950408889634
 
     # key blocks needing no mask first, then the ragged end (or causal diagonal) with masks
@@ -257,18 +344,26 @@ def _fwd_kernel(
     else:
         full_hi = (LKV // BLOCK_N) * BLOCK_N
         tail_hi = LKV
-    acc, acc_t, l_i, m_i, r_i = _fwd_inner(
+    acc, acc_r, acc_t, acc_t_r, l_i, m_i, r_i = _fwd_inner(
         acc,
+        acc_r,
         acc_t,
+        acc_t_r,
         l_i,
         m_i,
         r_i,
         q,
+        q_r,
         tq,
+        tq_r,
         k_ptrs,
+        kr_ptrs,
         v_ptrs,
+        vr_ptrs,
         tk_ptrs,
+        tkr_ptrs,
         tv_ptrs,
+        tvr_ptrs,
         stride_kn,
         stride_vn,
         stride_tkn,
@@ -285,6 +380,9 @@ def _fwd_kernel(
         LKV,
         scale,
         qk_scale,
+        HEAD_DIM,
+        BLOCK_D,
+        BLOCK_D_REM,
         BLOCK_N,
         HAS_TANGENT,
         HAS_BIAS,
@@ -294,18 +392,26 @@ def _fwd_kernel(
         CAUSAL,
         PRECISION,
     )
-    acc, acc_t, l_i, m_i, r_i = _fwd_inner(
+    acc, acc_r, acc_t, acc_t_r, l_i, m_i, r_i = _fwd_inner(
         acc,
+        acc_r,
         acc_t,
+        acc_t_r,
         l_i,
         m_i,
         r_i,
         q,
+        q_r,
         tq,
+        tq_r,
         k_ptrs,
+        kr_ptrs,
         v_ptrs,
+        vr_ptrs,
         tk_ptrs,
+        tkr_ptrs,
         tv_ptrs,
+        tvr_ptrs,
         stride_kn,
         stride_vn,
         stride_tkn,
@@ -322,6 +428,9 @@ def _fwd_kernel(
         LKV,
         scale,
         qk_scale,
+        HEAD_DIM,
+        BLOCK_D,
+        BLOCK_D_REM,
         BLOCK_N,
         HAS_TANGENT,
         HAS_BIAS,
@@ -336,11 +445,19 @@ def _fwd_kernel(
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     o = acc / l_safe[:, None]
-    o_off = tl.multiple_of(off_b * stride_ob + off_h * stride_oh, 8) + offs_m[:, None] * stride_om + offs_d[None, :]
+    o_rows = tl.multiple_of(off_b * stride_ob + off_h * stride_oh, 8) + offs_m[:, None] * stride_om
+    o_off = o_rows + offs_d[None, :]
     tl.store(O + o_off, o.to(O.dtype.element_ty), mask=q_mask)
     if HAS_TANGENT:
         to = (acc_t - r_i[:, None] * o) / l_safe[:, None]
         tl.store(TO + o_off, to.to(TO.dtype.element_ty), mask=q_mask)
+    if BLOCK_D_REM > 0:
+        o_r = acc_r / l_safe[:, None]
+        or_off = o_rows + offs_dr[None, :]
+        tl.store(O + or_off, o_r.to(O.dtype.element_ty), mask=qr_mask)
+        if HAS_TANGENT:
+            to_r = (acc_t_r - r_i[:, None] * o_r) / l_safe[:, None]
+            tl.store(TO + or_off, to_r.to(TO.dtype.element_ty), mask=qr_mask)
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
     tl.store(LSE + off_bh.to(tl.int64) * LQ + offs_m, lse, mask=offs_m < LQ)
 
@@ -350,10 +467,16 @@ def _fwd_kernel(
 # ---------------------------------------------------------------------------------------------
 
 
-# Candidates by padded head dim, (BLOCK_M, BLOCK_N, num_warps, num_stages): the best of a sweep, and
-# few, so that a new shape tunes in seconds. BLOCK_M is a multiple of BLOCK_N (the causal loop split relies on it).
-_CANDIDATES = {  # from benchmarks/attention_configs.py on an H200 (bf16, 4096 tokens)
+# Candidates by tile width BLOCK_D + BLOCK_D_REM (a head dim takes the first width at least its own),
+# (BLOCK_M, BLOCK_N, num_warps, num_stages): the best of a sweep, and few, so that a new shape tunes in
+# seconds. BLOCK_M is a multiple of BLOCK_N (the causal loop split relies on it).
+_CANDIDATES = {  # powers of two: from benchmarks/attention_configs.py on an H200 (bf16, 4096 tokens)
     64: [(128, 64, 8, 4), (64, 64, 4, 3), (128, 64, 8, 3)],
+    # 72 and 80 (64 + 16), 88 and 96 (64 + 32): not swept on a GPU yet. Compiled for sm_90 (Triton 3.8,
+    # bf16, tangents) these fit shared memory and spill least: at 80 wide 200 / 160 / 120 KiB, at 96 wide
+    # 192 / 144 / 144 KiB (96 wide with 128 x 64 blocks and 4 stages needs 240 KiB, more than 227)
+    80: [(128, 64, 8, 4), (128, 64, 8, 3), (128, 32, 8, 4)],
+    96: [(128, 64, 8, 3), (128, 64, 8, 2), (128, 32, 8, 4)],
     128: [(128, 64, 8, 2), (128, 32, 8, 4)],  # the latter best at 256 and 1024 tokens
     256: [(64, 32, 4, 2), (128, 32, 8, 1)],
 }
@@ -366,8 +489,9 @@ _ALL = sorted({c for cs in _CANDIDATES.values() for c in cs} | {_BIAS_FALLBACK})
 
 
 def _prune(configs, named_args, **meta):
-    """The candidates for this head dim (head dims up to 64 share one list), plus the bias fallback."""
-    wanted = _CANDIDATES[max(64, meta["BLOCK_D"])]
+    """The candidates for this head dim's tile width, plus the bias fallback."""
+    width = meta["BLOCK_D"] + meta["BLOCK_D_REM"]
+    wanted = _CANDIDATES[min(w for w in _CANDIDATES if w >= width)]
     if meta["HAS_BIAS"] or meta["HAS_MASK"]:
         wanted = [*wanted, _BIAS_FALLBACK]
     return [c for c in configs if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in wanted]
@@ -375,7 +499,7 @@ def _prune(configs, named_args, **meta):
 
 _fwd_tuned = triton.autotune(
     configs=[triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in _ALL],
-    key=["LQ_BUCKET", "LKV_BUCKET", "BLOCK_D", "HAS_TANGENT", "HAS_BIAS", "HAS_BIAS_TANGENT", "HAS_MASK", "CAUSAL", "PRECISION"],
+    key=["LQ_BUCKET", "LKV_BUCKET", "HEAD_DIM", "HAS_TANGENT", "HAS_BIAS", "HAS_BIAS_TANGENT", "HAS_MASK", "CAUSAL", "PRECISION"],
     prune_configs_by={"early_config_prune": _prune},
     cache_results=True,
 )(_fwd_kernel)
@@ -401,10 +525,22 @@ def check_head_dim(head_dim: int) -> None:
         )
 
 
+def split_head_dim(head_dim: int) -> tuple[int, int]:
+    """(BLOCK_D, BLOCK_D_REM): the head dim's largest power of two and a power-of-two tile of at least
+    16 (tl.dot's smallest size) for the rest, 0 when there is none. 72 -> (64, 16), 96 -> (64, 32).
+    Above 128 a head dim that is not a power of two runs padded: 160 -> (256, 0) (see the module docstring)."""
+    main = 1 << (head_dim.bit_length() - 1)
+    if main == head_dim:
+        return main, 0
+    if main >= 128:
+        return 256, 0
+    return main, max(16, triton.next_power_of_2(head_dim - main))
+
+
 def _prepare(x: torch.Tensor, width: int) -> torch.Tensor:
-    """x in the kernel's layout: head dim zero-padded to `width`, unit head-dim stride and every
-    other stride a multiple of 8 elements (16-byte aligned rows). Copies only when needed."""
-    if x.shape[-1] != width:
+    """x in the kernel's layout: head dim zero-padded to `width` (above 128 only), unit head-dim stride and
+    every other stride a multiple of 8 elements (16-byte aligned rows). Copies only when needed."""
+    if x.shape[-1] < width:
         return F.pad(x, (0, width - x.shape[-1]))
     if x.stride(-1) == 1 and all(st % 8 == 0 or n == 1 for st, n in zip(x.stride()[:3], x.shape[:3])):
         return x
@@ -443,7 +579,8 @@ def attention_fwd(
         o = q.new_zeros(q.shape)
         lse = torch.full((b, h, lq), float("-inf"), dtype=torch.float32, device=q.device)
         return o, torch.zeros_like(o) if has_tangent else None, lse
-    width = triton.next_power_of_2(d)
+    block_d, block_d_rem = split_head_dim(d)
+    width = max(d, block_d)  # the padded width above 128, else d
     q, k, v = (_prepare(x, width) for x in (q, k, v))
     tq, tk, tv = (_prepare(x, width) for x in (tq, tk, tv)) if has_tangent else (q, k, v)
     o = torch.empty((b, h, lq, width), dtype=q.dtype, device=q.device)
@@ -477,7 +614,9 @@ def attention_fwd(
         triton.next_power_of_2(lkv),
     ]
     meta = dict(
-        BLOCK_D=width,
+        HEAD_DIM=width,
+        BLOCK_D=block_d,
+        BLOCK_D_REM=block_d_rem,
         HAS_TANGENT=has_tangent,
         HAS_BIAS=has_bias,
         HAS_BIAS_TANGENT=has_bias_tangent,
@@ -498,4 +637,4 @@ def attention_fwd(
     return o, to if has_tangent else None, lse
 
 
-__all__ = ["attention_fwd", "check_head_dim", "interpreted", "SUPPORTED_HEAD_DIMS"]
+__all__ = ["attention_fwd", "check_head_dim", "split_head_dim", "interpreted", "SUPPORTED_HEAD_DIMS"]

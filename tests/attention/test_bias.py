@@ -25,7 +25,7 @@ CASES = [
     (2, 2, 33, 33, 32, (2, 2, 33, 33), True, True),
     (2, 3, 19, 45, 48, (1, 3, 19, 45), True, False),
     (2, 1, 9, 33, 16, (2, 1, 1, 33), False, False),  # one bias per key, broadcast over the queries
-    (2, 2, 23, 17, 72, None, True, False),  # a mask alone; head dim 72 (zero-padded inside triton_jvp)
+    (2, 2, 23, 17, 72, None, True, False),  # a mask alone; head dim 72 (64 + a masked remainder in triton_jvp)
 ]
 IDS = ["bias11", "biasB1+mask", "biasBH+mask+causal", "bias1H-cross+mask", "key-bias", "mask-only"]
 
@@ -316,8 +316,11 @@ def test_bias_path_adds_a_launch_fallback_and_leaves_the_plain_candidates_alone(
             for c in kernels._prune(kernels._fwd_tuned.configs, {}, **meta)
         }
 
-    for d, padded in ((32, 64), (64, 64), (128, 128), (256, 256)):
-        plain = pick(BLOCK_D=d, HAS_BIAS=False, HAS_MASK=False)
-        assert plain == set(kernels._CANDIDATES[padded])
-        assert pick(BLOCK_D=d, HAS_BIAS=True, HAS_MASK=False) == plain | {kernels._BIAS_FALLBACK}
-        assert pick(BLOCK_D=d, HAS_BIAS=False, HAS_MASK=True) == plain | {kernels._BIAS_FALLBACK}
+    # head dim -> its tile width's list: powers of two as before the split, the split widths their own
+    for d, width in ((32, 64), (64, 64), (128, 128), (256, 256), (40, 64), (72, 80), (96, 96), (112, 128), (160, 256)):
+        block_d, block_d_rem = kernels.split_head_dim(d)
+        meta = dict(BLOCK_D=block_d, BLOCK_D_REM=block_d_rem)
+        plain = pick(**meta, HAS_BIAS=False, HAS_MASK=False)
+        assert plain == set(kernels._CANDIDATES[width])
+        assert pick(**meta, HAS_BIAS=True, HAS_MASK=False) == plain | {kernels._BIAS_FALLBACK}
+        assert pick(**meta, HAS_BIAS=False, HAS_MASK=True) == plain | {kernels._BIAS_FALLBACK}

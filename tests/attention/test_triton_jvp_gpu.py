@@ -1,5 +1,5 @@
 """The fused JVP attention at real sizes on a GPU: bf16/fp16, FA2 backward, a two-layer transformer,
-additive biases and key-padding masks (triton_jvp and sdpa).
+head dims that are not a power of two, additive biases and key-padding masks (triton_jvp and sdpa).
 
 Run on a CUDA machine: pytest -m gpu tests/attention
 """
@@ -61,6 +61,59 @@ def test_backward_paths_match_autograd_over_math(shape, dtype, impl):
         assert rel_err(got, ref) < TOL[dtype]
 
 
+# head dims that are not a power of two: a power-of-two chunk plus a remainder tile, read in place (up to 128;
+# above, zero-padded to 256)
+SPLIT_SHAPES = [  # (B, H, Lq, Lkv, D, causal)
+    (4, 16, 256, 256, 72, False),  # DiT-XL/2's head dim at 256 tokens
+    (2, 16, 1024, 1024, 72, False),
+    (2, 8, 1024, 1024, 72, True),
+    (2, 4, 1024, 1024, 80, False),
+    (2, 4, 1024, 1024, 96, True),
+    (2, 4, 512, 512, 40, False),
+    (2, 4, 1024, 1024, 160, False),
+    (1, 4, 512, 512, 192, True),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", SPLIT_SHAPES, ids=[f"d{s[4]}-{s[2]}" + ("-causal" if s[5] else "") for s in SPLIT_SHAPES])
+def test_split_head_dim_real_sizes(shape, dtype):
+    *dims, causal = shape
+    q, k, v, tq, tk, tv = _qkv(*dims, dtype)
+    o, to = fa.jvp_attention(q, k, v, tq, tk, tv, causal=causal)
+    o_plain = fa.attention(q, k, v, backend="triton_jvp", causal=causal)
+    o_ref, to_ref = jvp64(q, k, v, tq, tk, tv, causal=causal)
+    for x in (o, to, o_plain):  # above 128: views of the padded outputs
+        assert x.shape == q.shape and (x.is_contiguous() or dims[-1] > 128) and torch.isfinite(x).all()
+    assert rel_err(o, o_ref) < TOL[dtype]
+    assert rel_err(to, to_ref) < TOL[dtype]
+    assert rel_err(o_plain, o_ref) < TOL[dtype]
+
+
+def _extra_mib(fn):
+    """What fn allocates beyond what is already allocated, at its peak (outputs included), in MiB."""
+    fn()  # tune and compile first: the autotuner's benchmarks allocate too
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = fn()
+    torch.cuda.synchronize()
+    del out
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def test_split_head_dim_allocates_no_padded_copies():
+    """At head dim 72 a call allocates its outputs and nothing else: 72/64 of head dim 64's memory
+    (zero-padding to 128 allocated ~7x as much: six padded inputs and two padded outputs)."""
+    mib = {}
+    for d in (64, 72):
+        q, k, v, tq, tk, tv = _qkv(4, 16, 1024, 1024, d, torch.bfloat16, seed=2)
+        mib[d] = _extra_mib(lambda: fa.jvp_attention(q, k, v, tq, tk, tv))
+    outputs = 2 * q.numel() * q.element_size() / 2**20 + 4 * 16 * 1024 * 4 / 2**20  # o, to (bf16), lse (fp32)
+    assert mib[72] <= 1.05 * outputs + 1
+    assert mib[72] <= 1.2 * mib[64]
+
+
 def test_default_backward_is_fused():
     q = torch.randn(1, 1, 8, 64, device="cuda", dtype=torch.bfloat16)
     assert triton_jvp.backward_impl(q) in ("cudnn", "flash_attn", "torch_fa2")  # test_cudnn_backward_gpu.py: which
@@ -90,9 +143,10 @@ class _Block(nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
-def _two_layer_grads(backend, mode, x, tx, state):
+def _two_layer_grads(backend, mode, x, tx, state, heads):
     torch.manual_seed(0)
-    model = nn.Sequential(_Block(256, 4, backend), _Block(256, 4, backend)).cuda()
+    dim = x.shape[-1]
+    model = nn.Sequential(_Block(dim, heads, backend), _Block(dim, heads, backend)).cuda()
     model.load_state_dict(state)
     with torch.autocast("cuda", dtype=torch.bfloat16):
         if mode == "dual":
@@ -106,13 +160,14 @@ def _two_layer_grads(backend, mode, x, tx, state):
     return torch.cat([p.grad.flatten() for p in model.parameters()])
 
 
-def test_two_layer_transformer_gradients_dual_fused_vs_func_jvp_math():
+@pytest.mark.parametrize("dim, heads", [(256, 4), (288, 4)], ids=["d64", "d72"])
+def test_two_layer_transformer_gradients_dual_fused_vs_func_jvp_math(dim, heads):
     torch.manual_seed(0)
-    state = nn.Sequential(_Block(256, 4, "math"), _Block(256, 4, "math")).cuda().state_dict()
-    x, tx = torch.randn(4, 256, 256, device="cuda"), torch.randn(4, 256, 256, device="cuda")
-    g_fused = _two_layer_grads("triton_jvp", "dual", x, tx, state)
-    g_math = _two_layer_grads("math", "func", x, tx, state)
-    g_math2 = _two_layer_grads("math", "dual", x, tx, state)
+    state = nn.Sequential(_Block(dim, heads, "math"), _Block(dim, heads, "math")).cuda().state_dict()
+    x, tx = torch.randn(4, 256, dim, device="cuda"), torch.randn(4, 256, dim, device="cuda")
+    g_fused = _two_layer_grads("triton_jvp", "dual", x, tx, state, heads)
+    g_math = _two_layer_grads("math", "func", x, tx, state, heads)
+    g_math2 = _two_layer_grads("math", "dual", x, tx, state, heads)
     assert torch.isfinite(g_fused).all()
     # bf16 autocast: the fused path must be as close to math as math is to itself in another mode
     assert rel_err(g_fused, g_math) < max(3 * rel_err(g_math2, g_math), 1e-2)
@@ -140,8 +195,17 @@ BIAS_CASES = [  # (B, H, Lq, Lkv, D, bias shape, key-padding mask, causal)
     (2, 4, 1000, 517, 72, (1, 4, 1000, 517), True, False),
     (2, 4, 256, 384, 128, (2, 1, 1, 384), True, False),  # one bias per key
     (2, 4, 333, 333, 64, None, True, False),  # a mask alone
+    (2, 4, 1024, 1024, 96, (2, 1, 1024, 1024), True, True),  # a remainder chunk (96 = 64 + 32) with all three
 ]
-BIAS_IDS = ["bias11-256", "biasBH+mask-1024", "biasB1+mask+causal-1024", "bias1H+mask-cross-d72", "key-bias-d128", "mask-only"]
+BIAS_IDS = [
+    "bias11-256",
+    "biasBH+mask-1024",
+    "biasB1+mask+causal-1024",
+    "bias1H+mask-cross-d72",
+    "key-bias-d128",
+    "mask-only",
+    "biasB1+mask+causal-d96",
+]
 
 
 def _bias_inputs(b, h, lq, lkv, d, bias_shape, masked, dtype, seed=0):
