@@ -20,7 +20,10 @@ jumps of the model itself, u_tgt = (u(z_t, s, t) + u(z_s, r, s)) / 2 at the midp
 z_s = z_t - (t - s) u(z_t, s, t), both without gradient (the interval-splitting consistency of SplitMeanFlow and
 of shortcut models), in place of the identity's v - (t - r) du/dt: a long interval's target is then built from
 shorter ones, not from the derivative of the long one. Two more forwards without gradient per step.
-With a teacher, `split_target="teacher"` gives those intervals the teacher's own solution instead,
+`split_target="ema"` takes the two half jumps with an EMA of the model (`split_ema`, one of trainer.ema_decays)
+in place of the model being trained: a target network that lags the student, so an error the student makes
+is not fed back into its own target at once (the bootstrapped target of DQN and of the first consistency
+models). With a teacher, `split_target="teacher"` gives those intervals the teacher's own solution instead,
 u_tgt = (z_t - z_r) / (t - r) with z_r from teacher_steps Euler steps of its velocity from t down to r (the
 velocity of the identity's target, its guidance included): teacher_steps more forwards without gradient.
 
@@ -58,7 +61,7 @@ from flm.objectives.teacher import load_teacher, teacher_velocity
 
 
 TANGENTS = ("sample", "model")
-SPLIT_TARGETS = ("student", "teacher")
+SPLIT_TARGETS = ("student", "ema", "teacher")
 
 
 class MeanFlow(nn.Module):
@@ -72,8 +75,11 @@ class MeanFlow(nn.Module):
         split_frac: at most this fraction of a batch, its longest intervals, takes it: a fixed number of extra
             forwards keeps the step's cost and shapes fixed (CUDA graphs); longer intervals beyond that number
             keep the identity's target.
-        split_target: what those intervals take: "student" (two half jumps of the model) or "teacher" (the
-            teacher's Euler solution over the interval; needs a teacher).
+        split_target: what those intervals take: "student" (two half jumps of the model), "ema" (two half
+            jumps of the model's EMA at decay split_ema) or "teacher" (the teacher's Euler solution over the
+            interval; needs a teacher).
+        split_ema: the EMA decay whose weights make the split target for split_target="ema"; the run must keep
+            that EMA (trainer.ema_decays).
         teacher_steps: Euler steps of the teacher over an interval for split_target="teacher".
         r_zero: fraction of samples with r = 0, drawn before r_neq_t applies: the interval [0, t] of a
             consistency model, whose t = 1 end is the 1-step sampler's. Two logit-normal draws rarely span
@@ -109,6 +115,7 @@ class MeanFlow(nn.Module):
         split_frac: float = 0.125,
         split_target: str = "student",
         teacher_steps: int = 4,
+        split_ema: float = 0.99,
         adaptive_p: float = 1.0,
         adaptive_c: float = 1e-3,
         cfg_omega: float = 1.0,
@@ -168,7 +175,13 @@ class MeanFlow(nn.Module):
             )
         if isinstance(teacher_steps, bool) or not isinstance(teacher_steps, int) or teacher_steps < 1:
             raise ValueError(f"teacher_steps must be an int >= 1 (Euler steps of the teacher), got {teacher_steps!r}")
+        if split_target == "ema" and split_above is None:
+            raise ValueError("split_target=ema needs objective.split_above (which intervals take the split target)")
         self.split_target, self.teacher_steps = split_target, teacher_steps
+        if not 0 < split_ema < 1:
+            raise ValueError(f"split_ema must be an EMA decay in (0, 1), got {split_ema!r}")
+        # the loop passes the EMA of this decay to loss() as `ema` (flm.train.loop.build_state)
+        self.target_ema_decay = split_ema if split_target == "ema" else None
         if teacher:
             self.networks = {"teacher": Network(build=functools.partial(load_teacher, teacher), model_init=True)}
 
@@ -199,7 +212,7 @@ class MeanFlow(nn.Module):
         keep = bcast((y_in == null_labels(model, y)) | ~in_interval(t, self.cfg_interval), v)
         return torch.where(keep, s.dx_t, v)
 
-    def errors(self, model, x, y=None, *, teacher=None):
+    def errors(self, model, x, y=None, *, teacher=None, ema=None):
         """(t, r, u - sg(u_tgt)) of a batch: each sample's times and its error against the target (eq. 8), fp32."""
         y_in = drop_labels(model, y, self.label_dropout)
         t, r = self.sample_times(x.shape[0], x.device)
@@ -218,15 +231,24 @@ class MeanFlow(nn.Module):
         u, dudt = jvp(lambda z, t_: model(z, t_, r, y_in), (s.x_t, t), (dz, torch.ones_like(t)), mode=self.jvp_mode)
         u_tgt = (v - bcast(t - r, v) * dudt.float()).detach()
         if self.split_above is not None:
-            u_tgt = self._with_split_targets(model, s.x_t, t, r, y_in, u_tgt, teacher)
+            u_tgt = self._with_split_targets(model, s.x_t, t, r, y_in, u_tgt, teacher, ema)
         return t, r, u.float() - u_tgt
 
-    def _with_split_targets(self, model, z, t, r, y, u_tgt, teacher=None):
+    def _with_split_targets(self, model, z, t, r, y, u_tgt, teacher=None, ema=None):
         """u_tgt with the split (or teacher) target on the batch's longest intervals (at most split_frac of it)
         above split_above."""
         k = max(1, math.ceil(self.split_frac * len(t)))
         i = torch.topk(t - r, k).indices  # no host sync: capturable
-        target, net = (self._split_target, model) if self.split_target == "student" else (self._teacher_target, teacher)
+        if self.split_target == "ema" and ema is None:
+            raise ValueError(
+                f"split_target=ema needs the model's EMA at decay {self.target_ema_decay} passed to the loss as `ema` (the training "
+                "loop does this when trainer.ema_decays holds that decay)"
+            )
+        target, net = {
+            "student": (self._split_target, model),
+            "ema": (self._split_target, ema),
+            "teacher": (self._teacher_target, teacher),
+        }[self.split_target]
         split = target(net, z[i], t[i], r[i], None if y is None else y[i])
         u_tgt = u_tgt.clone()
         u_tgt[i] = torch.where(bcast(t[i] - r[i] > self.split_above, split), split, u_tgt[i])
@@ -255,8 +277,8 @@ class MeanFlow(nn.Module):
         """sg(w) = 1 / (||u - u_tgt||^2 + c)^p per sample (section 4.3), from sq = ||u - u_tgt||^2."""
         return (sq.detach() + self.adaptive_c).pow(-self.adaptive_p)
 
-    def loss(self, model, x, y=None, *, step: int = 0, teacher=None):
-        _, _, err = self.errors(model, x, y, teacher=teacher)
+    def loss(self, model, x, y=None, *, step: int = 0, teacher=None, ema=None):
+        _, _, err = self.errors(model, x, y, teacher=teacher, ema=ema)
         sq = err.square().flatten(1).sum(1)  # ||u - u_tgt||^2 per sample
         loss = (self.adaptive_weight(sq) * sq).mean()
         return loss, {"loss": loss.detach(), "mse": sq.detach().mean() / err[0].numel()}

@@ -121,15 +121,46 @@ def test_teacher_split_target_with_guidance_leaves_the_other_samples_alone():
     assert (err[i] - err_identity[i]).abs().max() > 1e-3
 
 
+def test_ema_split_target_takes_the_half_jumps_of_the_ema():
+    """split_target=ema: the selected samples' target is the student split target computed with the EMA network
+    (another tiny DiT), the others' as without the split target; no EMA passed is a clear error."""
+    student, ema = tiny_dit(time_inputs=2, seed=1), tiny_dit(time_inputs=2, seed=3).requires_grad_(False)
+    x, y = torch.randn(8, 3, 8, 8, generator=torch.Generator().manual_seed(0)), torch.arange(8)
+    split = dict(split_above=0.0, split_frac=0.25, r_neq_t=1.0)
+    torch.manual_seed(1)
+    t, r, err = MeanFlow(**split, split_target="ema").errors(student, x, y, ema=ema)
+    torch.manual_seed(1)
+    _, _, err_identity = MeanFlow(r_neq_t=1.0).errors(student, x, y)
+    torch.manual_seed(1)
+    _, _, err_student_split = MeanFlow(**split).errors(student, x, y)
+    i = torch.topk(t - r, 2).indices
+    others = torch.ones(8, dtype=torch.bool)
+    others[i] = False
+    torch.testing.assert_close(err[others], err_identity[others], rtol=0, atol=0)
+    torch.manual_seed(1)  # the draws of errors(), in its order
+    objective = MeanFlow(**split, split_target="ema")
+    y_in = drop_labels(student, y, objective.label_dropout)
+    objective.sample_times(8, "cpu")
+    z = LinearPath().sample(x, torch.randn_like(x), t).x_t
+    with torch.no_grad():
+        u = student(z[i], t[i], r[i], y_in[i])
+    torch.testing.assert_close(err[i], u - objective._split_target(ema, z[i], t[i], r[i], y_in[i]), rtol=1e-4, atol=1e-5)
+    assert (err[i] - err_student_split[i]).abs().max() > 1e-3  # the EMA's jumps, not the student's
+    with pytest.raises(ValueError, match="needs the model's EMA at decay 0.99"):
+        objective.errors(student, x, y)
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        ({"split_above": 0.5, "split_target": "shortcut"}, "valid split targets: student, teacher"),
+        ({"split_above": 0.5, "split_target": "shortcut"}, "valid split targets: student, ema, teacher"),
         ({"split_above": 0.5, "split_target": "teacher"}, "split_target=teacher needs objective.teacher"),
         ({"teacher": "t", "split_target": "teacher"}, "and objective.split_above"),
         ({"teacher_steps": 0}, "teacher_steps must be an int >= 1"),
         ({"teacher_steps": 2.5}, "teacher_steps must be an int >= 1"),
         ({"teacher_steps": True}, "teacher_steps must be an int >= 1"),
+        ({"split_target": "ema"}, "split_target=ema needs objective.split_above"),
+        ({"split_above": 0.5, "split_target": "ema", "split_ema": 1.0}, r"split_ema must be an EMA decay in \(0, 1\)"),
     ],
 )
 def test_split_target_config_errors(kwargs, match):
