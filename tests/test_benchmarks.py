@@ -65,8 +65,42 @@ def test_report_divides_by_the_best_flow_matching_50_step_fid(tmp_path):
         r.update(device="CPU", torch="-", triton="-", command="-")
     quality.report(json.loads(json.dumps(results)), tmp_path / "q.md")
     rows = [line for line in (tmp_path / "q.md").read_text().splitlines() if line.startswith("| c ")]
-    assert [row.split("|")[-2].strip() for row in rows] == ["1.50", "1.12"]  # 12 / 8 and 9 / 8: against b, not a
+    assert [row.split("|")[-3].strip() for row in rows] == ["1.50", "1.12"]  # 12 / 8 and 9 / 8: against b, not a
+    assert all(row.split("|")[-2].strip() == "-" for row in rows)  # no flow-map error measured
     assert all("| ema |" in row for row in rows)  # an old entry's single evaluation is the run's first EMA
+
+
+def test_seeds_name_the_runs_and_the_report_averages_over_them(tmp_path):
+    quality = load("quality")
+    assert quality.seeded("s:scd:50s:optim.lr=1e-4,trainer.ema_decays=[0.9,0.99]", 2) == (
+        "s_s2:scd:50s:optim.lr=1e-4,trainer.ema_decays=[0.9,0.99],trainer.seed=2"
+    )
+    assert quality.seeded("s:scd:950", 0) == "s_s0:scd:950:trainer.seed=0"
+    results = {}
+    for seed, (fid1, fme1) in enumerate([(20.0, 0.04), (26.0, 0.05), (23.0, 0.03)]):
+        name = f"m_s{seed}"
+        results[name] = {
+            **entry(name, "meanflow_distill", {1: fid1, 2: 10.0}),
+            "group": "m",
+            "flow_map_error": {"1": fme1, "2": 0.01},
+            "device": "CPU",
+            "torch": "-",
+            "triton": "-",
+            "command": "-",
+        }
+    results["single"] = {
+        **entry("single", "scd", {1: 30.0, 2: 12.0}),
+        "device": "CPU",
+        "torch": "-",
+        "triton": "-",
+        "command": "-",
+    }
+    quality.report(json.loads(json.dumps(results)), tmp_path / "q.md")
+    text = (tmp_path / "q.md").read_text()
+    assert "| m_s1 | meanflow_distill | - | 10 | 1.0 | 0 | ema0.99 | 1 | 26.00 | - | - | 0.05000 |" in text
+    assert "| m | 3 | ema0.99 | 1 | 23.00 | 20.00-26.00 | 0.04000 (0.03000-0.05000) |" in text
+    assert "| m | 3 | ema0.99 | 2 | 10.00 | 10.00-10.00 | 0.01000 (0.01000-0.01000) |" in text
+    assert "| single | 1 |" not in text  # one run is no spread
 
 
 def test_train_step_runs_the_distillation_rows(capsys):
