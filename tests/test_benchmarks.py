@@ -139,6 +139,11 @@ def test_meanflow_errors_bins_the_intervals_and_shares_the_gradient():
         assert row["grad_share"] == pytest.approx(float(g / grad.sum()), rel=1e-5)
     assert rows[2]["mse"] == pytest.approx((4.0 + 16.0) / 2 / 4, rel=1e-6)
     assert "| [0.7, 1] | 2 |" in errors.markdown(rows)
+    assert "bf16" not in errors.markdown(rows)
+    gap = torch.stack([torch.full((2, 2), g) for g in (0.01, 0.02, 0.1, 0.3)])
+    rows = errors.interval_table(t, r, err, objective, edges=(0.0, 0.1, 0.7, 1.0), bf16_gap=gap)
+    assert [row["bf16_gap"] for row in rows] == pytest.approx([1e-4, 4e-4, (0.01 + 0.09) / 2])
+    assert errors.markdown(rows).splitlines()[-1].endswith("| 0.05 |")
 
 
 def test_attention_backward_table_divides_by_torch_fa2():
