@@ -241,8 +241,8 @@ class MeanFlow(nn.Module):
         i = torch.topk(t - r, k).indices  # no host sync: capturable
         if self.split_target == "ema" and ema is None:
             raise ValueError(
-                f"split_target=ema needs the model's EMA at decay {self.target_ema_decay} passed to the loss as `ema` (the training "
-                "loop does this when trainer.ema_decays holds that decay)"
+                f"split_target=ema needs the model's EMA at decay {self.target_ema_decay} passed to the loss as `ema` "
+                "(the training loop does this when trainer.ema_decays holds that decay)"
             )
         target, net = {
             "student": (self._split_target, model),
