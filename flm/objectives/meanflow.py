@@ -20,6 +20,8 @@ jumps of the model itself, u_tgt = (u(z_t, s, t) + u(z_s, r, s)) / 2 at the midp
 z_s = z_t - (t - s) u(z_t, s, t), both without gradient (the interval-splitting consistency of SplitMeanFlow and
 of shortcut models), in place of the identity's v - (t - r) du/dt: a long interval's target is then built from
 shorter ones, not from the derivative of the long one. Two more forwards without gradient per step.
+`split_point="uniform"` splits each interval at s drawn uniformly in (r, t) instead (SplitMeanFlow's random
+split), u_tgt = ((t - s) u(z_t, s, t) + (s - r) u(z_s, r, s)) / (t - r): the same consistency at every s.
 `split_target="ema"` takes the two half jumps with an EMA of the model (`split_ema`, one of trainer.ema_decays)
 in place of the model being trained: a target network that lags the student, so an error the student makes
 is not fed back into its own target at once (the bootstrapped target of DQN and of the first consistency
@@ -62,6 +64,7 @@ from flm.objectives.teacher import load_teacher, teacher_velocity
 
 TANGENTS = ("sample", "model")
 SPLIT_TARGETS = ("student", "ema", "teacher")
+SPLIT_POINTS = ("mid", "uniform")
 
 
 class MeanFlow(nn.Module):
@@ -80,6 +83,8 @@ class MeanFlow(nn.Module):
             interval; needs a teacher).
         split_ema: the EMA decay whose weights make the split target for split_target="ema"; the run must keep
             that EMA (trainer.ema_decays).
+        split_point: where the two half jumps meet: "mid" (s = (t + r) / 2) or "uniform" (s uniform in (r, t) per
+            sample, the jumps weighted by their lengths).
         teacher_steps: Euler steps of the teacher over an interval for split_target="teacher".
         r_zero: fraction of samples with r = 0, drawn before r_neq_t applies: the interval [0, t] of a
             consistency model, whose t = 1 end is the 1-step sampler's. Two logit-normal draws rarely span
@@ -116,6 +121,7 @@ class MeanFlow(nn.Module):
         split_target: str = "student",
         teacher_steps: int = 4,
         split_ema: float = 0.99,
+        split_point: str = "mid",
         adaptive_p: float = 1.0,
         adaptive_c: float = 1e-3,
         cfg_omega: float = 1.0,
@@ -178,6 +184,9 @@ class MeanFlow(nn.Module):
         if split_target == "ema" and split_above is None:
             raise ValueError("split_target=ema needs objective.split_above (which intervals take the split target)")
         self.split_target, self.teacher_steps = split_target, teacher_steps
+        if split_point not in SPLIT_POINTS:
+            raise ValueError(f"unknown split_point {split_point!r}; valid split points: {', '.join(SPLIT_POINTS)}")
+        self.split_point = split_point
         if not 0 < split_ema < 1:
             raise ValueError(f"split_ema must be an EMA decay in (0, 1), got {split_ema!r}")
         # the loop passes the EMA of this decay to loss() as `ema` (flm.train.loop.build_state)
@@ -256,11 +265,18 @@ class MeanFlow(nn.Module):
 
     @torch.no_grad()
     def _split_target(self, model, z, t, r, y):
-        """(u(z_t, s, t) + u(z_s, r, s)) / 2 at s = (t + r) / 2: the average velocity over [r, t] from two half jumps."""
-        s = (t + r) / 2
+        """((t - s) u(z_t, s, t) + (s - r) u(z_s, r, s)) / (t - r): the average velocity over [r, t] from two jumps
+        that meet at s (split_point)."""
+        if self.split_point == "uniform":
+            lam = torch.rand_like(t)  # (t - s) / (t - r), drawn on the device: no host sync
+            s = t - lam * (t - r)
+        else:
+            lam, s = torch.full_like(t, 0.5), (t + r) / 2
         u_ts = model(z, t, s, y).float()
         z_s = z.float() - bcast(t - s, u_ts) * u_ts
-        return (u_ts + model(z_s.to(z.dtype), s, r, y).float()) / 2
+        u_sr = model(z_s.to(z.dtype), s, r, y).float()
+        lam = bcast(lam, u_ts)
+        return lam * u_ts + (1 - lam) * u_sr  # weights, not a division by t - r: the cap may select r = t
 
     @torch.no_grad()
     def _teacher_target(self, teacher, z, t, r, y):

@@ -70,6 +70,30 @@ def test_split_target_away_from_the_solution():
         MeanFlow(split_above=0.5, split_frac=0.0)
 
 
+def test_uniform_split_point_away_from_the_solution():
+    """u = (z - a)/t + c t, split at s = t - lam (t - r), lam uniform: u_tgt = lam u(z_t, s, t) + (1 - lam) u(z_s, r, s)
+    gives u - u_tgt = c (1 - lam)(t - s)(s + t) / s on the split intervals (the midpoint's at lam = 1/2), c (2t - r)
+    on the others; lam is drawn after the path's noise, one per selected sample in topk's order."""
+    c, x = 0.3, _data()
+    objective = MeanFlow(r_neq_t=1.0, adaptive_p=0.0, split_above=0.3, split_frac=0.25, split_point="uniform")
+    torch.manual_seed(1)
+    t, r, err = objective.errors(PointMassMeanFlow(A, offset=c), x)
+    torch.manual_seed(1)  # the draws of errors(), in its order
+    objective.sample_times(x.shape[0], x.device)
+    torch.randn_like(x)
+    i = torch.topk(t - r, 16).indices  # 0.25 of 64
+    lam = torch.full_like(t, 0.5)
+    lam[i] = torch.rand(16)
+    s = t - lam * (t - r)
+    split = torch.zeros_like(t, dtype=torch.bool)
+    split[i] = t[i] - r[i] > 0.3
+    assert split.any() and (lam[split] - 0.5).abs().max() > 0.1  # not the midpoint
+    expected = torch.where(split, c * (1 - lam) * (t - s) * (s + t) / s, c * (2 * t - r))
+    torch.testing.assert_close(err, expected[:, None, None, None].expand_as(err), rtol=1e-4, atol=1e-6)
+    with pytest.raises(ValueError, match="valid split points: mid, uniform"):
+        MeanFlow(split_above=0.5, split_point="random")
+
+
 @pytest.mark.parametrize("steps", [1, 3])
 def test_teacher_split_target_is_the_teachers_euler_solution(steps):
     """Teacher v = (z - a)/t + c, student u = (z - a)/t. K Euler steps of h = (t - r)/K from t to r keep
