@@ -15,6 +15,7 @@ account for (the target's JVP included).
 """
 
 import argparse
+import contextlib
 import dataclasses
 
 import torch
@@ -103,27 +104,17 @@ def main(argv=None):
             items = [dataset[i] for i in torch.randint(len(dataset), (args.batch_size,)).tolist()]
             x = torch.stack([image for image, _ in items]).to(device)
             y = torch.tensor([label for _, label in items], device=device) if dataset.num_classes else None
-            draws = rng_state(device)
-            parts.append(objective.errors(model, x, y, teacher=teacher))
+            # with --bf16-gap the fp32 pass leaves the random state as it found it, so that the bf16 pass draws the
+            # same times, noise and label dropout
+            cuda = [device] if device.type == "cuda" else []
+            with torch.random.fork_rng(devices=cuda) if args.bf16_gap else contextlib.nullcontext():
+                parts.append(objective.errors(model, x, y, teacher=teacher))
             if args.bf16_gap:
-                after = rng_state(device)
-                set_rng_state(device, draws)  # the same times, noise and label dropout
                 with torch.autocast(device.type, dtype=torch.bfloat16):
                     gaps.append(objective.errors(model, x, y, teacher=teacher)[2] - parts[-1][2])
-                set_rng_state(device, after)
     t, r, err = (torch.cat(p) for p in zip(*parts))
     print(f"{path} ({args.weights} weights), {len(t)} samples; adaptive_p {objective.adaptive_p}, c {objective.adaptive_c}")
     print(markdown(interval_table(t, r, err, objective, bf16_gap=torch.cat(gaps) if gaps else None)))
-
-
-def rng_state(device):
-    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-
-
-def set_rng_state(device, state) -> None:
-    torch.set_rng_state(state[0])
-    if device.type == "cuda":
-        torch.cuda.set_rng_state(state[1], device)
 
 
 if __name__ == "__main__":

@@ -168,10 +168,8 @@ def flow_map_error(run_dir: str, weights: str, n: int, log: str) -> dict:
 
 
 def fme_weights(weights: str) -> list[str]:
-    """flow_map_error.py's options for a --weights entry."""
-    if weights in ("raw", "ema"):
-        return [f"--weights={weights}"]
-    return ["--weights=ema", f"--ema={weights[3:]}"]
+    """flow_map_error.py's options for a --weights entry: evaluate.py's, as flags of the same names."""
+    return [f"--{option}" for option in weights_options(weights)]
 
 
 def split_overrides(text: str) -> list[str]:
