@@ -10,7 +10,8 @@ for scale.
     PYTHONPATH=. python benchmarks/flow_map_error.py --ckpt STUDENT_RUN                    # teacher from the run
     PYTHONPATH=. python benchmarks/flow_map_error.py --ckpt STUDENT_RUN --teacher FM_RUN --n 512 --steps 1 2 4
 
-Both use their EMA weights by default (`--weights raw` for the trained ones); noise and labels come from `--seed`.
+The student's weights: its first EMA by default, `--ema 0.99` for one by decay, `--weights raw` for the trained ones;
+the teacher's: its first EMA, the weights the student was distilled from. Noise and labels come from `--seed`.
 A student whose sampler re-noises between steps (sCD, rCM) is deterministic only at 1 step.
 """
 
@@ -27,7 +28,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--ckpt", required=True, help="the student: a run folder, checkpoint or exported folder")
     p.add_argument("--teacher", default=None, help="the flow-matching teacher (default: the student's objective.teacher)")
-    p.add_argument("--weights", default="ema", choices=["raw", "ema"])
+    p.add_argument("--weights", default="ema", choices=["raw", "ema"], help="the student's (the teacher: its first EMA)")
+    p.add_argument("--ema", type=float, default=None, help="the student's EMA by decay (e.g. 0.99); default its first")
     p.add_argument("--n", type=int, default=256, help="noises (and labels, cycling over the classes)")
     p.add_argument("--steps", type=int, nargs="+", default=[1, 2], help="the student's and the teacher's few-step counts")
     p.add_argument("--teacher-steps", type=int, default=100, help="Euler steps of the teacher's reference solution")
@@ -62,12 +64,12 @@ def main(argv=None):
     args = parse_args(argv)
     device = torch.device(args.device)
     bundle, path = open_generator(args.ckpt)
-    student = load_generator(bundle, weights=args.weights, device=device, source=path)
+    student = load_generator(bundle, weights=args.weights, ema_decay=args.ema, device=device, source=path)
     teacher_path = args.teacher or getattr(student[1], "teacher", None)
     if not teacher_path:
         raise SystemExit(f"error: {path} has no objective.teacher; pass --teacher <flow-matching run>")
     t_bundle, t_path = open_generator(teacher_path)
-    teacher = load_generator(t_bundle, weights=args.weights, device=device, source=t_path)
+    teacher = load_generator(t_bundle, weights="ema", device=device, source=t_path)  # what the student learnt from
     image = lambda m: (m.in_channels, m.input_size, m.input_size, num_classes(m))  # noqa: E731
     if image(student[0]) != image(teacher[0]):
         raise SystemExit(
@@ -83,7 +85,8 @@ def main(argv=None):
         student, teacher, noise, y, steps=args.steps, teacher_steps=args.teacher_steps, batch_size=args.batch_size
     )
     print(
-        f"student {path} and teacher {t_path} ({args.weights} weights), {args.n} noises; reference: the teacher's "
+        f"student {path} ({args.weights}{'' if args.ema is None else f' {args.ema:g}'} weights) and teacher {t_path} "
+        f"(its first EMA), {args.n} noises; reference: the teacher's "
         f"{args.teacher_steps}-step Euler solution"
     )
     print("| model | steps | mean squared distance per element |")

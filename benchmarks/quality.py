@@ -18,6 +18,11 @@ against the MNIST test digits, and the digit classifier's label accuracy.
 Distillation runs name their teacher's run folder, which an earlier run of the same call trained:
     --runs fm:flow_matching:3500 scd:scd:51s:objective.teacher=/tmp/flm-quality/fm
 
+Single runs at this budget move by ~25 % in 1-step FID from changes that should not matter (docs/quality.md,
+sixth day), so `--seeds 0 1 2` trains each run once per seed (NAME_s<seed>, `trainer.seed=<seed>`) and the report
+adds the mean and range over the seeds of each run. `--flow-map-error N` also scores each distilled student
+against its teacher's 100-step Euler solution from N noises (benchmarks/flow_map_error.py), with the first --weights.
+
 Results accumulate in <out>/quality.json (one entry per run, so runs can be made in separate calls)
 and <out>/quality.md is rewritten from all entries each time.
 """
@@ -42,8 +47,11 @@ SAMPLER_STEPS = {
 }
 
 
-def sh(args: list[str], log: str) -> None:
-    """Run a command, its output appended to `log` and echoed; stop the benchmark if it fails."""
+DISTILLED = ("scd", "rcm", "meanflow_distill", "meanflow_dmd")  # students of a teacher: a flow map to compare with
+
+
+def sh(args: list[str], log: str) -> str:
+    """Run a command, its output appended to `log` and echoed; stop the benchmark if it fails. Returns the output."""
     print("+", " ".join(args), flush=True)
     with open(log, "a") as f:
         f.write("+ " + " ".join(args) + "\n")
@@ -53,6 +61,7 @@ def sh(args: list[str], log: str) -> None:
     print(proc.stdout[-3000:], flush=True)
     if proc.returncode:
         sys.exit(f"error: command failed with exit code {proc.returncode}: {' '.join(args)} (log: {log})")
+    return proc.stdout
 
 
 def steady_step_ms(run_dir: str) -> float:
@@ -65,7 +74,13 @@ def steady_step_ms(run_dir: str) -> float:
     return rows[-1]["step_ms"]
 
 
-def run_objective(spec: str, args) -> dict:
+def seeded(spec: str, seed: int) -> str:
+    """The run spec for one seed: NAME_s<seed>, trainer.seed=<seed> added to its overrides."""
+    name, objective, steps, *rest = spec.split(":", 3)
+    return ":".join([f"{name}_s{seed}", objective, steps, ",".join([*rest, f"trainer.seed={seed}"])])
+
+
+def run_objective(spec: str, args, group: str | None = None) -> dict:
     name, objective, steps, *rest = spec.split(":", 3)
     overrides = split_overrides(rest[0]) if rest else []
     run_dir = os.path.join(args.work, name)
@@ -121,6 +136,8 @@ def run_objective(spec: str, args) -> dict:
         )
         with open(evals) as f:
             fid[weights] = json.load(f)
+    distilled = objective in DISTILLED and args.flow_map_error
+    flow_map = flow_map_error(run_dir, args.weights[0], args.flow_map_error, log) if distilled else None
     return {
         "name": name,
         "objective": objective,
@@ -130,11 +147,29 @@ def run_objective(spec: str, args) -> dict:
         "wall_s": wall,
         "overrides": overrides,
         "evals": fid,
+        "flow_map_error": flow_map,
+        "group": group or name,
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU",
         "torch": torch.__version__,
         "triton": triton_version(),
         "command": " ".join(sys.argv),
     }
+
+
+def flow_map_error(run_dir: str, weights: str, n: int, log: str) -> dict:
+    """{sampler steps: mean squared distance per element to the teacher's solution} of a distilled student."""
+    out = sh(
+        [sys.executable, "benchmarks/flow_map_error.py", f"--ckpt={run_dir}", f"--n={n}", "--steps", "1", "2"]
+        + fme_weights(weights),
+        log,
+    )
+    rows = [line.split("|") for line in out.splitlines() if line.startswith("| student |")]
+    return {row[2].strip(): float(row[3]) for row in rows}
+
+
+def fme_weights(weights: str) -> list[str]:
+    """flow_map_error.py's options for a --weights entry: evaluate.py's, as flags of the same names."""
+    return [f"--{option}" for option in weights_options(weights)]
 
 
 def split_overrides(text: str) -> list[str]:
@@ -179,8 +214,8 @@ def report(results: dict, path: str) -> None:
     lines += [
         "",
         "| run | objective | overrides | training steps | ms/step | GPU s | weights | sampler steps | FID "
-        "| label accuracy | FID / best FM 50-step |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| label accuracy | FID / best FM 50-step | flow-map error |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     # the ratio's baseline is the best 50-step flow-matching FID in the table (the strictest comparison)
     fm = [
@@ -198,13 +233,46 @@ def report(results: dict, path: str) -> None:
                 fid, acc = found[f"fid_steps{k}"], found.get(f"label_acc_steps{k}")
                 ratio = f"{fid / base:.2f}" if base else "-"
                 acc = f"{100 * acc:.1f} %" if acc is not None else "-"
+                fme = (r.get("flow_map_error") or {}).get(str(k))
+                fme = "-" if fme is None else f"{fme:.5f}"
                 lines.append(
                     f"| {r['name']} | {r['objective']} | {' '.join(r['overrides']) or '-'} | {r['train_steps']} | "
-                    f"{r['step_ms']:.1f} | {r['gpu_s']:.0f} | {weights} | {k} | {fid:.2f} | {acc} | {ratio} |"
+                    f"{r['step_ms']:.1f} | {r['gpu_s']:.0f} | {weights} | {k} | {fid:.2f} | {acc} | {ratio} | {fme} |"
                 )
+    lines += seed_table(results)
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+def seed_table(results: dict) -> list[str]:
+    """Mean and range of each metric over the seeds of every run made with --seeds (a group of two or more)."""
+    groups: dict[str, list[dict]] = {}
+    for r in results.values():
+        groups.setdefault(r.get("group", r["name"]), []).append(r)
+    lines = []
+    for group, runs in groups.items():
+        if len(runs) < 2:
+            continue
+        for weights in evaluations(runs[0]):
+            for k in SAMPLER_STEPS[runs[0]["objective"]]:
+                fids = [evaluations(r)[weights]["results"][f"fid_steps{k}"] for r in runs if weights in evaluations(r)]
+                fmes = [r["flow_map_error"][str(k)] for r in runs if (r.get("flow_map_error") or {}).get(str(k)) is not None]
+                fme = f"{sum(fmes) / len(fmes):.5f} ({min(fmes):.5f}-{max(fmes):.5f})" if fmes else "-"
+                lines.append(
+                    f"| {group} | {len(fids)} | {weights} | {k} | {sum(fids) / len(fids):.2f} | "
+                    f"{min(fids):.2f}-{max(fids):.2f} | {fme} |"
+                )
+    if not lines:
+        return []
+    return [
+        "",
+        "Over seeds (`--seeds`):",
+        "",
+        "| run | seeds | weights | sampler steps | mean FID | FID range | flow-map error, mean (range) |",
+        "|---|---|---|---|---|---|---|",
+        *lines,
+    ]
 
 
 def main() -> None:
@@ -232,6 +300,10 @@ def main() -> None:
         default=True,
         help="a 100-image grid per sampler (of the first --weights)",
     )
+    p.add_argument("--seeds", type=int, nargs="+", default=None, help="train each run once per seed (NAME_s<seed>)")
+    p.add_argument(
+        "--flow-map-error", type=int, default=0, metavar="N", help="score distilled students against their teacher (N noises)"
+    )
     p.add_argument("--work", default="/tmp/flm-quality", help="run folders")
     p.add_argument("--report-only", action="store_true", help="rewrite quality.md from quality.json, run nothing")
     p.add_argument("--out", default="docs/quality", help="quality.json, quality.md, logs and grids")
@@ -239,8 +311,14 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     results_path = os.path.join(args.out, "quality.json")
     results = json.load(open(results_path)) if os.path.exists(results_path) else {}
-    for spec in [] if args.report_only else args.runs:
-        entry = run_objective(spec, args)
+    specs = [] if args.report_only else args.runs
+    runs = (
+        [(spec, None) for spec in specs]
+        if args.seeds is None
+        else [(seeded(spec, seed), spec.split(":", 1)[0]) for spec in specs for seed in args.seeds]
+    )
+    for spec, group in runs:
+        entry = run_objective(spec, args, group)
         results[entry["name"]] = entry
         with open(results_path, "w") as f:
             json.dump(results, f, indent=1)

@@ -65,8 +65,42 @@ def test_report_divides_by_the_best_flow_matching_50_step_fid(tmp_path):
         r.update(device="CPU", torch="-", triton="-", command="-")
     quality.report(json.loads(json.dumps(results)), tmp_path / "q.md")
     rows = [line for line in (tmp_path / "q.md").read_text().splitlines() if line.startswith("| c ")]
-    assert [row.split("|")[-2].strip() for row in rows] == ["1.50", "1.12"]  # 12 / 8 and 9 / 8: against b, not a
+    assert [row.split("|")[-3].strip() for row in rows] == ["1.50", "1.12"]  # 12 / 8 and 9 / 8: against b, not a
+    assert all(row.split("|")[-2].strip() == "-" for row in rows)  # no flow-map error measured
     assert all("| ema |" in row for row in rows)  # an old entry's single evaluation is the run's first EMA
+
+
+def test_seeds_name_the_runs_and_the_report_averages_over_them(tmp_path):
+    quality = load("quality")
+    assert quality.seeded("s:scd:50s:optim.lr=1e-4,trainer.ema_decays=[0.9,0.99]", 2) == (
+        "s_s2:scd:50s:optim.lr=1e-4,trainer.ema_decays=[0.9,0.99],trainer.seed=2"
+    )
+    assert quality.seeded("s:scd:950", 0) == "s_s0:scd:950:trainer.seed=0"
+    results = {}
+    for seed, (fid1, fme1) in enumerate([(20.0, 0.04), (26.0, 0.05), (23.0, 0.03)]):
+        name = f"m_s{seed}"
+        results[name] = {
+            **entry(name, "meanflow_distill", {1: fid1, 2: 10.0}),
+            "group": "m",
+            "flow_map_error": {"1": fme1, "2": 0.01},
+            "device": "CPU",
+            "torch": "-",
+            "triton": "-",
+            "command": "-",
+        }
+    results["single"] = {
+        **entry("single", "scd", {1: 30.0, 2: 12.0}),
+        "device": "CPU",
+        "torch": "-",
+        "triton": "-",
+        "command": "-",
+    }
+    quality.report(json.loads(json.dumps(results)), tmp_path / "q.md")
+    text = (tmp_path / "q.md").read_text()
+    assert "| m_s1 | meanflow_distill | - | 10 | 1.0 | 0 | ema0.99 | 1 | 26.00 | - | - | 0.05000 |" in text
+    assert "| m | 3 | ema0.99 | 1 | 23.00 | 20.00-26.00 | 0.04000 (0.03000-0.05000) |" in text
+    assert "| m | 3 | ema0.99 | 2 | 10.00 | 10.00-10.00 | 0.01000 (0.01000-0.01000) |" in text
+    assert "| single | 1 |" not in text  # one run is no spread
 
 
 def test_train_step_runs_the_distillation_rows(capsys):
@@ -105,6 +139,11 @@ def test_meanflow_errors_bins_the_intervals_and_shares_the_gradient():
         assert row["grad_share"] == pytest.approx(float(g / grad.sum()), rel=1e-5)
     assert rows[2]["mse"] == pytest.approx((4.0 + 16.0) / 2 / 4, rel=1e-6)
     assert "| [0.7, 1] | 2 |" in errors.markdown(rows)
+    assert "bf16" not in errors.markdown(rows)
+    gap = torch.stack([torch.full((2, 2), g) for g in (0.01, 0.02, 0.1, 0.3)])
+    rows = errors.interval_table(t, r, err, objective, edges=(0.0, 0.1, 0.7, 1.0), bf16_gap=gap)
+    assert [row["bf16_gap"] for row in rows] == pytest.approx([1e-4, 4e-4, (0.01 + 0.09) / 2])
+    assert errors.markdown(rows).splitlines()[-1].endswith("| 0.05 |")
 
 
 def test_attention_backward_table_divides_by_torch_fa2():

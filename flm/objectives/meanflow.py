@@ -20,6 +20,14 @@ jumps of the model itself, u_tgt = (u(z_t, s, t) + u(z_s, r, s)) / 2 at the midp
 z_s = z_t - (t - s) u(z_t, s, t), both without gradient (the interval-splitting consistency of SplitMeanFlow and
 of shortcut models), in place of the identity's v - (t - r) du/dt: a long interval's target is then built from
 shorter ones, not from the derivative of the long one. Two more forwards without gradient per step.
+`split_point="uniform"` splits each interval at s drawn uniformly in (r, t) instead (SplitMeanFlow's random
+split), u_tgt = ((t - s) u(z_t, s, t) + (s - r) u(z_s, r, s)) / (t - r): the same consistency at every s.
+`split_target="ema"` takes the two half jumps with an EMA of the model (`split_ema`, one of trainer.ema_decays)
+in place of the model being trained: a target network that lags the student, so an error the student makes
+is not fed back into its own target at once (the bootstrapped target of DQN and of the first consistency
+models). With a teacher, `split_target="teacher"` gives those intervals the teacher's own solution instead,
+u_tgt = (z_t - z_r) / (t - r) with z_r from teacher_steps Euler steps of its velocity from t down to r (the
+velocity of the identity's target, its guidance included): teacher_steps more forwards without gradient.
 
 Guidance in training (section 4.2, eqs. 13-19, off by default): v is replaced, in the target and in
 the JVP tangent, by v~ = omega v + kappa u(z_t, t, t | y) + (1 - omega - kappa) u(z_t, t, t | null),
@@ -55,6 +63,8 @@ from flm.objectives.teacher import load_teacher, teacher_velocity
 
 
 TANGENTS = ("sample", "model")
+SPLIT_TARGETS = ("student", "ema", "teacher")
+SPLIT_POINTS = ("mid", "uniform")
 
 
 class MeanFlow(nn.Module):
@@ -68,6 +78,14 @@ class MeanFlow(nn.Module):
         split_frac: at most this fraction of a batch, its longest intervals, takes it: a fixed number of extra
             forwards keeps the step's cost and shapes fixed (CUDA graphs); longer intervals beyond that number
             keep the identity's target.
+        split_target: what those intervals take: "student" (two half jumps of the model), "ema" (two half
+            jumps of the model's EMA at decay split_ema) or "teacher" (the teacher's Euler solution over the
+            interval; needs a teacher).
+        split_ema: the EMA decay whose weights make the split target for split_target="ema"; the run must keep
+            that EMA (trainer.ema_decays).
+        split_point: where the two half jumps meet: "mid" (s = (t + r) / 2) or "uniform" (s uniform in (r, t) per
+            sample, the jumps weighted by their lengths).
+        teacher_steps: Euler steps of the teacher over an interval for split_target="teacher".
         r_zero: fraction of samples with r = 0, drawn before r_neq_t applies: the interval [0, t] of a
             consistency model, whose t = 1 end is the 1-step sampler's. Two logit-normal draws rarely span
             it (t - r >= 0.7 for ~1 % of samples, docs/quality.md); 0 is the paper's proposal.
@@ -100,6 +118,10 @@ class MeanFlow(nn.Module):
         r_zero: float = 0.0,
         split_above: float | None = None,
         split_frac: float = 0.125,
+        split_target: str = "student",
+        teacher_steps: int = 4,
+        split_ema: float = 0.99,
+        split_point: str = "mid",
         adaptive_p: float = 1.0,
         adaptive_c: float = 1e-3,
         cfg_omega: float = 1.0,
@@ -150,6 +172,25 @@ class MeanFlow(nn.Module):
             raise ValueError(f"teacher_cfg_scale must be >= 1.0 (1.0: no guidance), got {teacher_cfg_scale!r}")
         self.teacher, self.teacher_cfg_scale = teacher, teacher_cfg_scale
         self.cfg_interval = check_interval(cfg_interval)
+        if split_target not in SPLIT_TARGETS:
+            raise ValueError(f"unknown split_target {split_target!r}; valid split targets: {', '.join(SPLIT_TARGETS)}")
+        if split_target == "teacher" and not (teacher and split_above is not None):
+            raise ValueError(
+                "split_target=teacher needs objective.teacher (a flow-matching run folder or .pt) and "
+                f"objective.split_above (which intervals take it), got teacher={teacher!r}, split_above={split_above!r}"
+            )
+        if isinstance(teacher_steps, bool) or not isinstance(teacher_steps, int) or teacher_steps < 1:
+            raise ValueError(f"teacher_steps must be an int >= 1 (Euler steps of the teacher), got {teacher_steps!r}")
+        if split_target == "ema" and split_above is None:
+            raise ValueError("split_target=ema needs objective.split_above (which intervals take the split target)")
+        self.split_target, self.teacher_steps = split_target, teacher_steps
+        if split_point not in SPLIT_POINTS:
+            raise ValueError(f"unknown split_point {split_point!r}; valid split points: {', '.join(SPLIT_POINTS)}")
+        self.split_point = split_point
+        if not 0 < split_ema < 1:
+            raise ValueError(f"split_ema must be an EMA decay in (0, 1), got {split_ema!r}")
+        # the loop passes the EMA of this decay to loss() as `ema` (flm.train.loop.build_state)
+        self.target_ema_decay = split_ema if split_target == "ema" else None
         if teacher:
             self.networks = {"teacher": Network(build=functools.partial(load_teacher, teacher), model_init=True)}
 
@@ -180,7 +221,7 @@ class MeanFlow(nn.Module):
         keep = bcast((y_in == null_labels(model, y)) | ~in_interval(t, self.cfg_interval), v)
         return torch.where(keep, s.dx_t, v)
 
-    def errors(self, model, x, y=None, *, teacher=None):
+    def errors(self, model, x, y=None, *, teacher=None, ema=None):
         """(t, r, u - sg(u_tgt)) of a batch: each sample's times and its error against the target (eq. 8), fp32."""
         y_in = drop_labels(model, y, self.label_dropout)
         t, r = self.sample_times(x.shape[0], x.device)
@@ -199,32 +240,61 @@ class MeanFlow(nn.Module):
         u, dudt = jvp(lambda z, t_: model(z, t_, r, y_in), (s.x_t, t), (dz, torch.ones_like(t)), mode=self.jvp_mode)
         u_tgt = (v - bcast(t - r, v) * dudt.float()).detach()
         if self.split_above is not None:
-            u_tgt = self._with_split_targets(model, s.x_t, t, r, y_in, u_tgt)
+            u_tgt = self._with_split_targets(model, s.x_t, t, r, y_in, u_tgt, teacher, ema)
         return t, r, u.float() - u_tgt
 
-    def _with_split_targets(self, model, z, t, r, y, u_tgt):
-        """u_tgt with the split target on the batch's longest intervals (at most split_frac of it) above split_above."""
+    def _with_split_targets(self, model, z, t, r, y, u_tgt, teacher=None, ema=None):
+        """u_tgt with the split (or teacher) target on the batch's longest intervals (at most split_frac of it)
+        above split_above."""
         k = max(1, math.ceil(self.split_frac * len(t)))
         i = torch.topk(t - r, k).indices  # no host sync: capturable
-        split = self._split_target(model, z[i], t[i], r[i], None if y is None else y[i])
+        if self.split_target == "ema" and ema is None:
+            raise ValueError(
+                f"split_target=ema needs the model's EMA at decay {self.target_ema_decay} passed to the loss as `ema` "
+                "(the training loop does this when trainer.ema_decays holds that decay)"
+            )
+        target, net = {
+            "student": (self._split_target, model),
+            "ema": (self._split_target, ema),
+            "teacher": (self._teacher_target, teacher),
+        }[self.split_target]
+        split = target(net, z[i], t[i], r[i], None if y is None else y[i])
         u_tgt = u_tgt.clone()
         u_tgt[i] = torch.where(bcast(t[i] - r[i] > self.split_above, split), split, u_tgt[i])
         return u_tgt
 
     @torch.no_grad()
     def _split_target(self, model, z, t, r, y):
-        """(u(z_t, s, t) + u(z_s, r, s)) / 2 at s = (t + r) / 2: the average velocity over [r, t] from two half jumps."""
-        s = (t + r) / 2
+        """((t - s) u(z_t, s, t) + (s - r) u(z_s, r, s)) / (t - r): the average velocity over [r, t] from two jumps
+        that meet at s (split_point)."""
+        if self.split_point == "uniform":
+            lam = torch.rand_like(t)  # (t - s) / (t - r), drawn on the device: no host sync
+            s = t - lam * (t - r)
+        else:
+            lam, s = torch.full_like(t, 0.5), (t + r) / 2
         u_ts = model(z, t, s, y).float()
         z_s = z.float() - bcast(t - s, u_ts) * u_ts
-        return (u_ts + model(z_s.to(z.dtype), s, r, y).float()) / 2
+        u_sr = model(z_s.to(z.dtype), s, r, y).float()
+        lam = bcast(lam, u_ts)
+        return lam * u_ts + (1 - lam) * u_sr  # weights, not a division by t - r: the cap may select r = t
+
+    @torch.no_grad()
+    def _teacher_target(self, teacher, z, t, r, y):
+        """(z_t - z_r) / (t - r) with z_r from teacher_steps Euler steps of the teacher from t to r: the mean of
+        the steps' velocities, which needs no division by a short t - r."""
+        h = (t - r) / self.teacher_steps
+        z_k, u = z.float(), 0.0
+        for k in range(self.teacher_steps):
+            v = teacher_velocity(teacher, z_k.to(z.dtype), t - k * h, y, self.teacher_cfg_scale)
+            z_k, u = z_k - bcast(h, v) * v, u + v / self.teacher_steps
+        return u
 
     def adaptive_weight(self, sq):
         """sg(w) = 1 / (||u - u_tgt||^2 + c)^p per sample (section 4.3), from sq = ||u - u_tgt||^2."""
         return (sq.detach() + self.adaptive_c).pow(-self.adaptive_p)
 
-    def loss(self, model, x, y=None, *, step: int = 0, teacher=None):
-        _, _, err = self.errors(model, x, y, teacher=teacher)
+    def loss(self, model, x, y=None, *, step: int = 0, teacher=None, ema=None):
+        _, _, err = self.errors(model, x, y, teacher=teacher, ema=ema)
         sq = err.square().flatten(1).sum(1)  # ||u - u_tgt||^2 per sample
         loss = (self.adaptive_weight(sq) * sq).mean()
         return loss, {"loss": loss.detach(), "mse": sq.detach().mean() / err[0].numel()}

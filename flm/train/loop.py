@@ -45,7 +45,7 @@ from flm.log import LoggerConfig, RunLogger, progress_line
 from flm.models import ModelConfig, build_model
 from flm.objectives import Objective
 from flm.train import checkpoint
-from flm.train.ema import EMA
+from flm.train.ema import EMA, ema_key
 from flm.train.evaluation import InTraining
 from flm.train.graphs import GraphedStep
 from flm.train.optim import OptimConfig, Optimizer, with_decay_steps
@@ -110,6 +110,14 @@ def build_state(
             )
         else:
             extras[name] = wrap_copy(net.requires_grad_(False).eval(), device, trainer.parallel)
+    decay = getattr(objective, "target_ema_decay", None)  # an objective's target network: an EMA of the model
+    if decay is not None:
+        if ema_key(decay) not in ema.models:
+            raise ValueError(
+                f"the objective builds its target with the EMA at decay {decay:g}, but trainer.ema_decays is "
+                f"{list(trainer.ema_decays)}; add {decay:g} to trainer.ema_decays"
+            )
+        extras["ema"] = ema.models[ema_key(decay)]
     return TrainState(
         model=raw,
         wrapped=model,

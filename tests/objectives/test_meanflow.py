@@ -7,7 +7,11 @@ import pytest
 import torch
 
 from flm.objectives import MeanFlow
-from tests.objectives.toys import PointMassMeanFlow
+from flm.objectives.guidance import drop_labels
+from flm.objectives.paths import LinearPath
+from flm.objectives.teacher import teacher_velocity
+from tests.models.tiny import tiny_dit
+from tests.objectives.toys import PointMassMeanFlow, PointMassVelocity
 
 A = 0.7
 
@@ -64,6 +68,128 @@ def test_split_target_away_from_the_solution():
         MeanFlow(split_above=1.0)
     with pytest.raises(ValueError, match="split_frac must be a fraction"):
         MeanFlow(split_above=0.5, split_frac=0.0)
+
+
+def test_uniform_split_point_away_from_the_solution():
+    """u = (z - a)/t + c t, split at s = t - lam (t - r), lam uniform: u_tgt = lam u(z_t, s, t) + (1 - lam) u(z_s, r, s)
+    gives u - u_tgt = c (1 - lam)(t - s)(s + t) / s on the split intervals (the midpoint's at lam = 1/2), c (2t - r)
+    on the others; lam is drawn after the path's noise, one per selected sample in topk's order."""
+    c, x = 0.3, _data()
+    objective = MeanFlow(r_neq_t=1.0, adaptive_p=0.0, split_above=0.3, split_frac=0.25, split_point="uniform")
+    torch.manual_seed(1)
+    t, r, err = objective.errors(PointMassMeanFlow(A, offset=c), x)
+    torch.manual_seed(1)  # the draws of errors(), in its order
+    objective.sample_times(x.shape[0], x.device)
+    torch.randn_like(x)
+    i = torch.topk(t - r, 16).indices  # 0.25 of 64
+    lam = torch.full_like(t, 0.5)
+    lam[i] = torch.rand(16)
+    s = t - lam * (t - r)
+    split = torch.zeros_like(t, dtype=torch.bool)
+    split[i] = t[i] - r[i] > 0.3
+    assert split.any() and (lam[split] - 0.5).abs().max() > 0.1  # not the midpoint
+    expected = torch.where(split, c * (1 - lam) * (t - s) * (s + t) / s, c * (2 * t - r))
+    torch.testing.assert_close(err, expected[:, None, None, None].expand_as(err), rtol=1e-4, atol=1e-6)
+    with pytest.raises(ValueError, match="valid split points: mid, uniform"):
+        MeanFlow(split_above=0.5, split_point="random")
+
+
+@pytest.mark.parametrize("steps", [1, 3])
+def test_teacher_split_target_is_the_teachers_euler_solution(steps):
+    """Teacher v = (z - a)/t + c, student u = (z - a)/t. K Euler steps of h = (t - r)/K from t to r keep
+    w = (z - a)/t up to w_{k+1} = w_k - h c / t_{k+1}, so u_tgt = (z_t - z_r)/(t - r) = (z - a)/t + (r c / K) sum_k 1/t_k
+    (t_k = t - k h) on the split intervals; the others keep the identity's u_tgt = (z - a)/t + c r / t."""
+    c, x = 0.3, _data()
+    split = dict(split_above=0.3, split_frac=0.25, split_target="teacher", teacher_steps=steps)
+    objective = MeanFlow(teacher="unused", r_neq_t=1.0, adaptive_p=0.0, **split)
+    torch.manual_seed(1)
+    loss, _ = objective.loss(PointMassMeanFlow(A), x, teacher=PointMassVelocity(A, offset=c))
+    torch.manual_seed(1)
+    t, r = objective.sample_times(x.shape[0], x.device)
+    longest = torch.zeros_like(t, dtype=torch.bool)
+    longest[torch.topk(t - r, 16).indices] = True  # 0.25 of 64
+    split = longest & (t - r > 0.3)
+    assert split.any() and ((t - r > 0.3) & ~longest).any()
+    t_k = t[:, None] - torch.arange(1, steps + 1) * ((t - r) / steps)[:, None]
+    err = torch.where(split, -r * c * (1 / t_k).mean(1), -c * r / t)
+    torch.testing.assert_close(loss, 4 * (err**2).mean(), rtol=1e-4, atol=0)
+
+
+def test_teacher_split_target_with_guidance_leaves_the_other_samples_alone():
+    """A tiny DiT teacher with its guidance: the selected samples' u - u_tgt against an explicit Euler loop of
+    teacher_velocity (the identity target's velocity), the others' error as without the split target."""
+    student, teacher = tiny_dit(time_inputs=2, seed=1), tiny_dit(seed=2).requires_grad_(False)
+    x, y = torch.randn(8, 3, 8, 8, generator=torch.Generator().manual_seed(0)), torch.arange(8)
+    kwargs = dict(teacher="unused", teacher_cfg_scale=1.5, r_neq_t=1.0, label_dropout=0.5)
+    objective = MeanFlow(**kwargs, split_above=0.0, split_frac=0.25, split_target="teacher", teacher_steps=3)
+    torch.manual_seed(1)
+    t, r, err = objective.errors(student, x, y, teacher=teacher)
+    torch.manual_seed(1)
+    _, _, err_identity = MeanFlow(**kwargs).errors(student, x, y, teacher=teacher)
+    torch.manual_seed(1)  # the draws of errors(), in its order
+    y_in = drop_labels(student, y, 0.5)
+    objective.sample_times(8, "cpu")
+    z = LinearPath().sample(x, torch.randn_like(x), t).x_t
+    i = torch.topk(t - r, 2).indices
+    z_k, h = z[i], (t[i] - r[i]) / 3
+    for k in range(3):
+        v = teacher_velocity(teacher, z_k, t[i] - k * h, y_in[i], 1.5)
+        z_k = z_k - h[:, None, None, None] * v
+    u_tgt = (z[i] - z_k) / (t[i] - r[i])[:, None, None, None]
+    with torch.no_grad():
+        u = student(z[i], t[i], r[i], y_in[i])
+    torch.testing.assert_close(err[i], u - u_tgt, rtol=1e-4, atol=1e-5)
+    others = torch.ones(8, dtype=torch.bool)
+    others[i] = False
+    torch.testing.assert_close(err[others], err_identity[others], rtol=0, atol=0)
+    assert (err[i] - err_identity[i]).abs().max() > 1e-3
+
+
+def test_ema_split_target_takes_the_half_jumps_of_the_ema():
+    """split_target=ema: the selected samples' target is the student split target computed with the EMA network
+    (another tiny DiT), the others' as without the split target; no EMA passed is a clear error."""
+    student, ema = tiny_dit(time_inputs=2, seed=1), tiny_dit(time_inputs=2, seed=3).requires_grad_(False)
+    x, y = torch.randn(8, 3, 8, 8, generator=torch.Generator().manual_seed(0)), torch.arange(8)
+    split = dict(split_above=0.0, split_frac=0.25, r_neq_t=1.0)
+    torch.manual_seed(1)
+    t, r, err = MeanFlow(**split, split_target="ema").errors(student, x, y, ema=ema)
+    torch.manual_seed(1)
+    _, _, err_identity = MeanFlow(r_neq_t=1.0).errors(student, x, y)
+    torch.manual_seed(1)
+    _, _, err_student_split = MeanFlow(**split).errors(student, x, y)
+    i = torch.topk(t - r, 2).indices
+    others = torch.ones(8, dtype=torch.bool)
+    others[i] = False
+    torch.testing.assert_close(err[others], err_identity[others], rtol=0, atol=0)
+    torch.manual_seed(1)  # the draws of errors(), in its order
+    objective = MeanFlow(**split, split_target="ema")
+    y_in = drop_labels(student, y, objective.label_dropout)
+    objective.sample_times(8, "cpu")
+    z = LinearPath().sample(x, torch.randn_like(x), t).x_t
+    with torch.no_grad():
+        u = student(z[i], t[i], r[i], y_in[i])
+    torch.testing.assert_close(err[i], u - objective._split_target(ema, z[i], t[i], r[i], y_in[i]), rtol=1e-4, atol=1e-5)
+    assert (err[i] - err_student_split[i]).abs().max() > 1e-3  # the EMA's jumps, not the student's
+    with pytest.raises(ValueError, match="needs the model's EMA at decay 0.99"):
+        objective.errors(student, x, y)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"split_above": 0.5, "split_target": "shortcut"}, "valid split targets: student, ema, teacher"),
+        ({"split_above": 0.5, "split_target": "teacher"}, "split_target=teacher needs objective.teacher"),
+        ({"teacher": "t", "split_target": "teacher"}, "and objective.split_above"),
+        ({"teacher_steps": 0}, "teacher_steps must be an int >= 1"),
+        ({"teacher_steps": 2.5}, "teacher_steps must be an int >= 1"),
+        ({"teacher_steps": True}, "teacher_steps must be an int >= 1"),
+        ({"split_target": "ema"}, "split_target=ema needs objective.split_above"),
+        ({"split_above": 0.5, "split_target": "ema", "split_ema": 1.0}, r"split_ema must be an EMA decay in \(0, 1\)"),
+    ],
+)
+def test_split_target_config_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        MeanFlow(**kwargs)
 
 
 def test_model_tangent_away_from_the_solution():

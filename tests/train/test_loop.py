@@ -142,3 +142,20 @@ def test_unknown_parallel_mode_is_refused():
     with pytest.raises(ValueError, match="must be one of ddp, fsdp, got 'zero'"):
         TrainerConfig(parallel="zero")
     TrainerConfig(parallel="fsdp")
+
+
+def test_the_ema_split_target_gets_the_runs_ema(tmp_path, train_run, monkeypatch):
+    """objective.split_target=ema: the loop hands the loss the EMA of split_ema (frozen, not the trained model);
+    a decay the run does not keep is a clear error before anything is written."""
+    from flm.objectives import MeanFlow
+
+    split = ["objective=meanflow", "objective.split_above=0.0", "objective.split_target=ema", "objective.split_ema=0.995"]
+    with pytest.raises(ValueError, match=r"trainer.ema_decays is \[0.98\]; add 0.995 to trainer.ema_decays"):
+        train_run(tmp_path / "missing", split)
+    assert not (tmp_path / "missing" / "checkpoints").exists()
+    seen = []
+    jumps = MeanFlow._split_target
+    monkeypatch.setattr(MeanFlow, "_split_target", lambda self, net, *a: seen.append(net) or jumps(self, net, *a))
+    train_run(tmp_path / "run", split + ["trainer.ema_decays=[0.98,0.995]"])
+    assert len(seen) == 4 and all(net is seen[0] for net in seen)
+    assert not any(p.requires_grad for p in seen[0].parameters())
