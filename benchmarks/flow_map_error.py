@@ -10,7 +10,7 @@ for scale.
     PYTHONPATH=. python benchmarks/flow_map_error.py --ckpt STUDENT_RUN                    # teacher from the run
     PYTHONPATH=. python benchmarks/flow_map_error.py --ckpt STUDENT_RUN --teacher FM_RUN --n 512 --steps 1 2 4
 
-The student's weights: its first EMA by default, `--ema 0.99` for one by decay, `--weights raw` for the trained ones;
+The student's weights: its first EMA by default, `--ema 0.99` or `--ema sigma_rel0.1` for one by name, `--weights raw` for the trained ones;
 the teacher's: its first EMA, the weights the student was distilled from. Noise and labels come from `--seed`.
 A student whose sampler re-noises between steps (sCD, rCM) is deterministic only at 1 step.
 """
@@ -29,7 +29,9 @@ def parse_args(argv=None):
     p.add_argument("--ckpt", required=True, help="the student: a run folder, checkpoint or exported folder")
     p.add_argument("--teacher", default=None, help="the flow-matching teacher (default: the student's objective.teacher)")
     p.add_argument("--weights", default="ema", choices=["raw", "ema"], help="the student's (the teacher: its first EMA)")
-    p.add_argument("--ema", type=float, default=None, help="the student's EMA by decay (e.g. 0.99); default its first")
+    p.add_argument(
+        "--ema", default=None, help="the student's EMA by name: a decay (0.99) or a power EMA (sigma_rel0.1); default its first"
+    )
     p.add_argument("--n", type=int, default=256, help="noises (and labels, cycling over the classes)")
     p.add_argument("--steps", type=int, nargs="+", default=[1, 2], help="the student's and the teacher's few-step counts")
     p.add_argument("--teacher-steps", type=int, default=100, help="Euler steps of the teacher's reference solution")
@@ -64,7 +66,7 @@ def main(argv=None):
     args = parse_args(argv)
     device = torch.device(args.device)
     bundle, path = open_generator(args.ckpt)
-    student = load_generator(bundle, weights=args.weights, ema_decay=args.ema, device=device, source=path)
+    student = load_generator(bundle, weights=args.weights, ema=args.ema, device=device, source=path)
     teacher_path = args.teacher or getattr(student[1], "teacher", None)
     if not teacher_path:
         raise SystemExit(f"error: {path} has no objective.teacher; pass --teacher <flow-matching run>")
@@ -85,7 +87,7 @@ def main(argv=None):
         student, teacher, noise, y, steps=args.steps, teacher_steps=args.teacher_steps, batch_size=args.batch_size
     )
     print(
-        f"student {path} ({args.weights}{'' if args.ema is None else f' {args.ema:g}'} weights) and teacher {t_path} "
+        f"student {path} ({args.weights}{'' if args.ema is None else f' {args.ema}'} weights) and teacher {t_path} "
         f"(its first EMA), {args.n} noises; reference: the teacher's "
         f"{args.teacher_steps}-step Euler solution"
     )

@@ -15,6 +15,17 @@ velocity sg(u(z_t, t, t)) there instead (one more forward without gradient): the
 (u(z, t, t) is the marginal velocity there) with a less noisy target. The loss stays
 ||u - sg(v - (t - r) du/dt)||^2 = ||u + (t - r) sg(du/dt) - v||^2, the "velocity loss" form.
 
+The Lagrangian identity (`identity="lagrangian"`; "eulerian", the default, is the one above): the flow map
+X(z_t) = z_t - (t - r) u(z_t, r, t) must move with the velocity at its own end point, dX/dr = v(X, r), so
+
+    u_tgt = v(X, r) + (t - r) du/dr,   du/dr = JVP of u along (dz, dr, dt) = (0, 1, 0)
+
+(the Lagrangian map distillation of flow map matching, against the Eulerian one above, which MeanFlow and
+consistency distillation share). v is the teacher's velocity at the student's end point X (no gradient), or
+without a teacher the model's own sg(u(X, r, r)): the target then corrects the point the jump lands on,
+where the Eulerian target only sees the start. The same number of forwards as the Eulerian target with a
+teacher; the teacher's forward waits for the student's output.
+
 Interval splitting (`split_above`, off by default): intervals longer than it take the target of two half
 jumps of the model itself, u_tgt = (u(z_t, s, t) + u(z_s, r, s)) / 2 at the midpoint s = (t + r) / 2 with
 z_s = z_t - (t - s) u(z_t, s, t), both without gradient (the interval-splitting consistency of SplitMeanFlow and
@@ -63,6 +74,7 @@ from flm.objectives.teacher import load_teacher, teacher_velocity
 
 
 TANGENTS = ("sample", "model")
+IDENTITIES = ("eulerian", "lagrangian")
 SPLIT_TARGETS = ("student", "ema", "teacher")
 SPLIT_POINTS = ("mid", "uniform")
 
@@ -94,6 +106,8 @@ class MeanFlow(nn.Module):
         cfg_omega, cfg_kappa: guidance in training (paper eq. 19); 1.0 and 0.0 turn it off.
         label_dropout: probability of the null label (CFG training); classes read from the model.
         tangent: "sample" (v, the paper's) or "model" (sg(u(z_t, t, t)), see the module docstring).
+        identity: "eulerian" (the MeanFlow identity, the paper's) or "lagrangian" (the velocity at the jump's end
+            point, see the module docstring; its JVP is along r alone, so the tangent option does not apply).
         jvp_mode: "dual" (one dual pass) or "two_pass" (no-grad JVP pass + gradient pass).
         teacher: a flow-matching run folder or checkpoint whose velocity replaces v (null: none).
         teacher_cfg_scale: the teacher's classifier-free guidance (1.0: none).
@@ -128,6 +142,7 @@ class MeanFlow(nn.Module):
         cfg_kappa: float = 0.0,
         label_dropout: float = 0.1,
         tangent: str = "sample",
+        identity: str = "eulerian",
         jvp_mode: str = "dual",
         teacher: str | None = None,
         teacher_cfg_scale: float = 1.0,
@@ -161,6 +176,18 @@ class MeanFlow(nn.Module):
         if tangent not in TANGENTS:
             raise ValueError(f"unknown tangent {tangent!r}; valid tangents: {', '.join(TANGENTS)}")
         self.label_dropout, self.tangent = label_dropout, tangent
+        if identity not in IDENTITIES:
+            raise ValueError(f"unknown identity {identity!r}; valid identities: {', '.join(IDENTITIES)}")
+        if identity == "lagrangian" and tangent == "model":
+            raise ValueError(
+                "identity=lagrangian takes its JVP along r alone, so tangent=model does not apply; set objective.tangent=sample"
+            )
+        if identity == "lagrangian" and (cfg_omega != 1.0 or cfg_kappa != 0.0):
+            raise ValueError(
+                "identity=lagrangian has no guidance in training (its velocity is taken at the jump's end point); "
+                "keep cfg_omega=1.0 and cfg_kappa=0.0, or use identity=eulerian"
+            )
+        self.identity = identity
         self.jvp_mode = check_jvp_mode(jvp_mode)
         self.path = LinearPath()
         if teacher and (cfg_omega != 1.0 or cfg_kappa != 0.0):
@@ -226,6 +253,11 @@ class MeanFlow(nn.Module):
         y_in = drop_labels(model, y, self.label_dropout)
         t, r = self.sample_times(x.shape[0], x.device)
         s = self.path.sample(x, torch.randn_like(x), t)
+        if self.identity == "lagrangian":
+            u_tgt, u = self._lagrangian_target(model, s.x_t, t, r, y_in, teacher)
+            if self.split_above is not None:
+                u_tgt = self._with_split_targets(model, s.x_t, t, r, y_in, u_tgt, teacher, ema)
+            return t, r, u.float() - u_tgt
         guided_training = self.cfg_omega != 1.0 or self.cfg_kappa != 0.0
         v = self._guided_velocity(model, s, y, y_in) if guided_training else s.dx_t
         if teacher is not None:
@@ -242,6 +274,17 @@ class MeanFlow(nn.Module):
         if self.split_above is not None:
             u_tgt = self._with_split_targets(model, s.x_t, t, r, y_in, u_tgt, teacher, ema)
         return t, r, u.float() - u_tgt
+
+    def _lagrangian_target(self, model, z, t, r, y, teacher=None):
+        """(sg(u_tgt), u) of the Lagrangian identity: u_tgt = v(X, r) + (t - r) du/dr at X = z - (t - r) u."""
+        u, dudr = jvp(lambda r_: model(z, t, r_, y), (r,), (torch.ones_like(r),), mode=self.jvp_mode)
+        with torch.no_grad():
+            x_r = (z.float() - bcast(t - r, u) * u.float()).to(z.dtype)
+            if teacher is not None:
+                v = teacher_velocity(teacher, x_r, r, y, self.teacher_cfg_scale)
+            else:
+                v = model(x_r, r, r, y).float()
+        return (v + bcast(t - r, v) * dudr.float()).detach(), u
 
     def _with_split_targets(self, model, z, t, r, y, u_tgt, teacher=None, ema=None):
         """u_tgt with the split (or teacher) target on the batch's longest intervals (at most split_frac of it)

@@ -17,8 +17,9 @@ from tests.models.tiny import plain_layers, tiny_dit, with_backend
 SETUPS = [(backend, mode) for backend in ("math", "triton_jvp") for mode in ("dual", "two_pass", "func")]
 
 
-def _step(objective_name, model, backend, jvp_mode, plain=False):
-    objective = build_objective(objective_name, jvp_mode=jvp_mode, **({"warmup_steps": 4} if objective_name == "scm" else {}))
+def _step(objective_name, model, backend, jvp_mode, plain=False, options=None):
+    options = options or ({"warmup_steps": 4} if objective_name == "scm" else {})
+    objective = build_objective(objective_name, jvp_mode=jvp_mode, **options)
     model = with_backend(copy.deepcopy(model), backend)
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(4, 3, 8, 8, generator=g), torch.tensor([0, 3, 7, 9])
@@ -29,13 +30,17 @@ def _step(objective_name, model, backend, jvp_mode, plain=False):
     return loss.detach(), torch.autograd.grad(loss, params, allow_unused=True)
 
 
-@pytest.mark.parametrize("objective_name", ["meanflow", "scm"])
-def test_gradients_agree_across_modes_and_backends(objective_name):
+@pytest.mark.parametrize(
+    ("objective_name", "options"),
+    [("meanflow", None), ("meanflow", {"identity": "lagrangian", "tangent": "sample", "cfg_omega": 1.0}), ("scm", None)],
+    ids=["meanflow", "meanflow-lagrangian", "scm"],  # the Lagrangian identity's JVP is along r alone
+)
+def test_gradients_agree_across_modes_and_backends(objective_name, options):
     model = tiny_dit(time_inputs=2 if objective_name == "meanflow" else 1)
-    loss_ref, grads_ref = _step(objective_name, model, "math", "two_pass", plain=True)
+    loss_ref, grads_ref = _step(objective_name, model, "math", "two_pass", plain=True, options=options)
     assert sum(g.norm() for g in grads_ref if g is not None) > 1e-2
     for backend, mode in SETUPS:
-        loss, grads = _step(objective_name, model, backend, mode)
+        loss, grads = _step(objective_name, model, backend, mode, options=options)
         torch.testing.assert_close(loss, loss_ref, rtol=1e-4, atol=1e-6)
         for g, g_ref in zip(grads, grads_ref):
             assert (g is None) == (g_ref is None)

@@ -41,6 +41,49 @@ def test_target_away_from_the_solution(jvp_mode):
     torch.testing.assert_close(loss, 4 * c**2 * ((2 * t - r) ** 2).mean(), rtol=1e-4, atol=0)
 
 
+class _RMeanFlow(PointMassMeanFlow):
+    """u = (z - a)/t + c r: a flow map of its own diagonal velocity u(x, r, r) = (x - a)/r + c r, with du/dr = c."""
+
+    def forward(self, x, t, r=None, y=None):
+        return (x - self.a) / t.reshape(-1, 1, 1, 1) + self.offset * r.reshape(-1, 1, 1, 1)
+
+
+@pytest.mark.parametrize("jvp_mode", ["dual", "two_pass", "func"])
+def test_lagrangian_identity_is_exact_for_the_flow_of_its_own_velocity(jvp_mode):
+    """Without a teacher the end point X = z - (t - r) u moves with the model's own sg(u(X, r, r)): zero error for
+    u = (z - a)/t + c r, whose du/dr = c the target needs (without it the error would be c (t - r))."""
+    torch.manual_seed(0)
+    objective = MeanFlow(r_neq_t=1.0, identity="lagrangian", jvp_mode=jvp_mode)
+    _, metrics = objective.loss(_RMeanFlow(A, offset=0.3), _data())
+    assert metrics["mse"] < 1e-10
+
+
+@pytest.mark.parametrize("jvp_mode", ["dual", "two_pass", "func"])
+def test_lagrangian_identity_with_a_teacher(jvp_mode):
+    """Teacher v = (z - a)/t + k, student u = (z - a)/t + c r: X - a = (z - a) r/t - (t - r) c r, so
+    u_tgt = v(X, r) + (t - r) c = (z - a)/t + k and u - u_tgt = c r - k; loss = D mean((c r - k)^2) at p = 0."""
+    c, k, x = 0.3, 0.2, _data()
+    objective = MeanFlow(teacher="unused", r_neq_t=1.0, adaptive_p=0.0, identity="lagrangian", jvp_mode=jvp_mode)
+    torch.manual_seed(1)
+    loss, _ = objective.loss(_RMeanFlow(A, offset=c), x, teacher=PointMassVelocity(A, offset=k))
+    torch.manual_seed(1)
+    t, r = objective.sample_times(x.shape[0], x.device)
+    torch.testing.assert_close(loss, 4 * ((c * r - k) ** 2).mean(), rtol=1e-4, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"identity": "hamiltonian"}, "valid identities: eulerian, lagrangian"),
+        ({"identity": "lagrangian", "tangent": "model"}, "set objective.tangent=sample"),
+        ({"identity": "lagrangian", "cfg_omega": 2.0}, "identity=lagrangian has no guidance in training"),
+    ],
+)
+def test_identity_config_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        MeanFlow(**kwargs)
+
+
 def test_split_target_is_exact_at_the_solution():
     torch.manual_seed(0)
     _, metrics = MeanFlow(r_neq_t=1.0, split_above=0.0, split_frac=1.0).loss(PointMassMeanFlow(A), _data())
