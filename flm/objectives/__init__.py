@@ -22,7 +22,7 @@ from flm.objectives.consistency import SCM
 from flm.objectives.distillation import RCM, SCD
 from flm.objectives.flow_matching import FlowMatching
 from flm.objectives.jvp import JVP_MODES
-from flm.objectives.meanflow import MeanFlow, MeanFlowDMD
+from flm.objectives.meanflow import MeanFlow, MeanFlowDMD, MeanFlowGAN
 from flm.objectives.protocol import NO_NETWORKS, Network, Objective
 
 OBJECTIVES = {
@@ -32,6 +32,7 @@ OBJECTIVES = {
     "scd": SCD,
     "rcm": RCM,
     "meanflow_dmd": MeanFlowDMD,
+    "meanflow_gan": MeanFlowGAN,
 }
 
 
@@ -52,6 +53,7 @@ __all__ = [
     "FlowMatching",
     "MeanFlow",
     "MeanFlowDMD",
+    "MeanFlowGAN",
     "Network",
     "Objective",
     "build_objective",

@@ -67,6 +67,7 @@ from torch import nn
 from flm.objectives.guidance import check_cfg, check_interval, drop_labels, guided, in_interval, null_labels, num_classes
 from flm.objectives.jvp import check_jvp_mode, jvp
 from flm.objectives.checks import check_probability, check_std
+from flm.objectives.adversarial import AdversarialRegularised
 from flm.objectives.dmd import DMDRegularised
 from flm.objectives.paths import LinearPath, bcast, logit_normal, time_grid
 from flm.objectives.protocol import NO_NETWORKS, Network
@@ -342,6 +343,13 @@ class MeanFlow(nn.Module):
         loss = (self.adaptive_weight(sq) * sq).mean()
         return loss, {"loss": loss.detach(), "mse": sq.detach().mean() / err[0].numel()}
 
+    def generate(self, model, x, y):
+        """The one-step sampler on fresh noise (t = 1 to r = 0), with the model's gradient (the regularisers of
+        flm.objectives.dmd and flm.objectives.adversarial train through it)."""
+        eps = torch.randn_like(x)
+        n = x.shape[0]
+        return eps - model(eps, eps.new_ones(n), eps.new_zeros(n), y)
+
     @torch.no_grad()
     def sample(self, model, noise, y=None, *, steps: int, cfg_scale: float = 1.0, generators=None):
         """z_r = z_t - (t - r) u(z_t, r, t) from t = 1 to 0 in `steps` jumps (eq. 12): through mid_t when
@@ -363,20 +371,26 @@ class MeanFlow(nn.Module):
         return z
 
 
-class MeanFlowDMD(DMDRegularised, MeanFlow):
-    """MeanFlow distilled from a teacher (MeanFlow's teacher option) plus the DMD score regulariser on its
-    one-step samples x_g = eps - u(eps, 0, 1).
-
-    Args: DMDRegularised's and MeanFlow's; teacher is required.
-    """
+class _Distilled:
+    """A MeanFlow student whose teacher is required."""
 
     def __init__(self, *, teacher: str, **kwargs):
         if not teacher:
             raise ValueError("objective.teacher is not set; pass objective.teacher=<flow-matching run folder or .pt>")
         super().__init__(teacher=str(teacher), **kwargs)
 
-    def generate(self, model, x, y):
-        """The one-step sampler on fresh noise (t = 1 to r = 0), with the model's gradient."""
-        eps = torch.randn_like(x)
-        n = x.shape[0]
-        return eps - model(eps, eps.new_ones(n), eps.new_zeros(n), y)
+
+class MeanFlowDMD(DMDRegularised, _Distilled, MeanFlow):
+    """MeanFlow distilled from a teacher (MeanFlow's teacher option) plus the DMD score regulariser on its
+    one-step samples x_g = eps - u(eps, 0, 1).
+
+    Args: DMDRegularised's and MeanFlow's; teacher is required.
+    """
+
+
+class MeanFlowGAN(AdversarialRegularised, _Distilled, MeanFlow):
+    """MeanFlow distilled from a teacher plus an adversarial loss on its one-step samples x_g = eps - u(eps, 0, 1)
+    against the data, with an online discriminator (flm.objectives.adversarial).
+
+    Args: AdversarialRegularised's and MeanFlow's; teacher is required.
+    """

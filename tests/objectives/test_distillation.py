@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from flm.objectives import RCM, SCD, MeanFlow, MeanFlowDMD, build_objective
+from flm.objectives.adversarial import Discriminator
 from flm.objectives.teacher import flow_time, trigflow_velocity
 from tests.models.tiny import plain_layers, tiny_dit, with_backend
 from tests.objectives.test_jvp_modes import SETUPS
@@ -57,12 +58,15 @@ def test_scd_from_an_exact_teacher_has_a_zero_target_at_the_start():
 
 def _student_step(name, backend, mode, plain=False):
     kwargs = {"teacher": "unused", "jvp_mode": mode, "teacher_cfg_scale": 1.5}
-    kwargs |= {"r_neq_t": 1.0, "label_dropout": 0.0} if name == "meanflow_dmd" else {"warmup_steps": 4}
+    kwargs |= {"r_neq_t": 1.0, "label_dropout": 0.0} if name.startswith("meanflow") else {"warmup_steps": 4}
     objective = build_objective(name, **kwargs)
     student = with_backend(tiny_dit(time_inputs=objective.time_inputs, seed=1), backend)
     networks = {"teacher": tiny_dit(seed=2).requires_grad_(False)}
     if name in ("rcm", "meanflow_dmd"):
         networks["fake_score"] = tiny_dit(seed=3).requires_grad_(False)
+    if name == "meanflow_gan":
+        torch.manual_seed(3)
+        networks["discriminator"] = Discriminator(3, 10, width=8, depth=2).requires_grad_(False)
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(4, 3, 8, 8, generator=g), torch.tensor([0, 3, 7, 9])
     torch.manual_seed(1)
@@ -73,7 +77,7 @@ def _student_step(name, backend, mode, plain=False):
     return loss.detach(), torch.autograd.grad(loss, params, allow_unused=True)
 
 
-@pytest.mark.parametrize("name", ["scd", "rcm", "meanflow_dmd"])
+@pytest.mark.parametrize("name", ["scd", "rcm", "meanflow_dmd", "meanflow_gan"])
 def test_student_gradients_agree_across_jvp_modes_and_the_fused_attention(name):
     loss_ref, grads_ref = _student_step(name, "math", "two_pass", plain=True)
     assert sum(g.norm() for g in grads_ref if g is not None) > 1e-2

@@ -69,7 +69,13 @@ def test_the_teacher_stays_frozen_and_the_student_starts_from_it(tmp_path, teach
 
 @pytest.mark.parametrize(
     "name, extra",
-    [("scd", []), ("rcm", []), ("meanflow_distill", []), ("meanflow_dmd", ["objective.fake_updates=0"])],
+    [
+        ("scd", []),
+        ("rcm", []),
+        ("meanflow_distill", []),
+        ("meanflow_dmd", ["objective.fake_updates=0"]),
+        ("meanflow_gan", ["objective.disc_width=8"]),
+    ],
 )
 def test_stop_and_resume_is_bit_exact_with_every_network(tmp_path, teacher, train_run, name, extra):
     common = objective_of(name, teacher) + STUDENT[:2] + extra
@@ -80,6 +86,7 @@ def test_stop_and_resume_is_bit_exact_with_every_network(tmp_path, teacher, trai
     train_run(tmp_path / "split", common + ["trainer.resume=auto"])
     whole, split = (checkpoint.load(str(tmp_path / run / "checkpoints" / "ckpt-00000004.pt")) for run in ("whole", "split"))
     assert ("fake_score.optimizer" in whole) == (name in ("rcm", "meanflow_dmd")) and "teacher" not in whole
+    assert ("discriminator.optimizer" in whole) == (name == "meanflow_gan")
     for key in set(whole) - {"config"}:
         assert_same_state(whole[key], split[key], key)
     metrics = [json.loads(line) for line in open(tmp_path / "whole" / "metrics.jsonl")]
@@ -89,6 +96,8 @@ def test_stop_and_resume_is_bit_exact_with_every_network(tmp_path, teacher, trai
         assert "fake_score.grad_norm" in metrics[0]
     if name == "meanflow_dmd":  # fake_updates 0: every step updates both networks
         assert all("fake_loss" in m and "dmd" in m and "fake_score.grad_norm" in m for m in metrics)
+    if name == "meanflow_gan":  # the student and the discriminator in every step
+        assert all("disc_loss" in m and "adv" in m and "discriminator.grad_norm" in m for m in metrics)
 
 
 def test_a_student_samples_without_its_teachers_file(tmp_path, teacher, train_run):
@@ -167,8 +176,15 @@ def test_a_teacher_of_another_channel_count_is_named():
 PARALLEL = {"ddp": [], "fsdp": ["trainer.parallel=fsdp"]}
 
 
-def test_two_processes_distil_as_one(tmp_path, teacher, train_run):
-    common = objective_of("rcm", teacher) + STUDENT + ["trainer.batch_size=8", "trainer.sample_n=2"]
+@pytest.mark.parametrize(
+    "name, extra, net",
+    [
+        ("rcm", ["objective.warmup_steps=2"], "fake_score"),
+        ("meanflow_gan", ["objective.r1_gamma=0", "objective.disc_width=8"], "discriminator"),
+    ],
+)
+def test_two_processes_distil_as_one(tmp_path, teacher, train_run, name, extra, net):
+    common = objective_of(name, teacher) + STUDENT[:2] + extra + ["trainer.batch_size=8", "trainer.sample_n=2"]
     train_run(tmp_path / "one", common + ["trainer.grad_accum=2"])
     jobs = [[str(tmp_path / mode), TINY + common + extra] for mode, extra in PARALLEL.items()]
     (tmp_path / "jobs.json").write_text(json.dumps(jobs))
@@ -177,24 +193,27 @@ def test_two_processes_distil_as_one(tmp_path, teacher, train_run):
     for mode in PARALLEL:
         assert not (tmp_path / mode / "error.txt").exists(), (tmp_path / mode / "error.txt").read_text()
         two = checkpoint.load(str(tmp_path / mode / "checkpoints" / "ckpt-00000004.pt"))
-        for key in ("model", "ema", "fake_score"):
+        for key in ("model", "ema", net):
             torch.testing.assert_close(two[key], one[key], rtol=1e-5, atol=1e-6, msg=lambda m: f"{mode} {key}: {m}")
-        for key in ("optimizer", "fake_score.optimizer"):
+        for key in ("optimizer", f"{net}.optimizer"):
             torch.testing.assert_close(two[key]["state"], one[key]["state"], rtol=1e-5, atol=1e-7)
         assert two["data"] == one["data"] and two["step"] == 4
 
 
 @pytest.mark.gpu
-def test_a_graphed_rcm_run_follows_the_eager_run(tmp_path, teacher, train_run):
-    """rCM's fake-score and student steps are two CUDA graphs (its phases), replayed in turn."""
+@pytest.mark.parametrize("name, net", [("rcm", "fake_score"), ("meanflow_gan", "discriminator")])
+def test_a_graphed_run_with_a_second_trained_network_follows_the_eager_run(tmp_path, teacher, train_run, name, net):
+    """rCM's fake-score and student steps are two CUDA graphs (its phases), replayed in turn; MeanFlow + GAN's student
+    and discriminator (its R1 a double backward) are one graph."""
     from .test_graphs import read_losses
 
-    common = objective_of("rcm", teacher) + STUDENT + ["attention=triton_jvp", "trainer.device=cuda", "trainer.max_steps=6"]
+    common = objective_of(name, teacher) + STUDENT[:2] + ["attention=triton_jvp", "trainer.device=cuda", "trainer.max_steps=6"]
+    common += ["objective.warmup_steps=2"] if name == "rcm" else ["objective.disc_width=8"]
     common += ["trainer.log_every=1"]
     train_run(tmp_path / "eager", common)
     train_run(tmp_path / "graph", common + ["trainer.cuda_graph=true"])
     eager, graph = (read_losses(tmp_path / name) for name in ("eager", "graph"))
     assert len(eager) == len(graph) == 6
     assert torch.allclose(torch.tensor(graph), torch.tensor(eager), rtol=2e-2, atol=1e-4), (eager, graph)
-    fake = [checkpoint.load(checkpoint.find_checkpoint(str(tmp_path / name)))["fake_score"] for name in ("eager", "graph")]
+    fake = [checkpoint.load(checkpoint.find_checkpoint(str(tmp_path / run)))[net] for run in ("eager", "graph")]
     torch.testing.assert_close(fake[1], fake[0], rtol=2e-2, atol=2e-3)  # both networks trained in both runs

@@ -1,0 +1,115 @@
+"""The adversarial loss of a distilled student (flm.objectives.adversarial): which network each term trains,
+its gradients against a direct computation, R1, the discriminator's shapes, bad settings.
+
+    python -m pytest tests/objectives/test_adversarial.py -q
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flm.objectives import MeanFlowGAN
+from flm.objectives.adversarial import Discriminator, build_discriminator
+from tests.models.tiny import tiny_dit
+
+
+class LinearD(nn.Module):
+    """D(x, y) = <w, x> + b_y: its gradient at any x is w, so R1 = ||w||^2."""
+
+    def __init__(self, shape, classes=10):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(shape) * 0.1)
+        self.b = nn.Parameter(torch.randn(classes) * 0.1)
+
+    def forward(self, x, y=None):
+        return (x * self.w).flatten(1).sum(1) + (0 if y is None else self.b[y])
+
+
+def _setup(**kwargs):
+    objective = MeanFlowGAN(teacher="unused", r_neq_t=1.0, label_dropout=0.0, **kwargs)
+    student, teacher = tiny_dit(time_inputs=2, seed=1), tiny_dit(seed=2).requires_grad_(False)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(8, 3, 8, 8, generator=g), torch.tensor([0, 3, 7, 9, 1, 2, 4, 5])
+    return objective, student, teacher, x, y
+
+
+def _grads(loss, params):
+    return [torch.zeros_like(p) if g is None else g for p, g in zip(params, torch.autograd.grad(loss, params, allow_unused=True))]
+
+
+def test_each_term_trains_its_own_network_and_the_students_gradient_is_through_d():
+    objective, student, teacher, x, y = _setup(adv_weight=0.5, adv_frac=0.5, r1_gamma=1.0)
+    d = LinearD((3, 8, 8))
+    torch.manual_seed(1)
+    losses, metrics = objective.loss(student, x, y, teacher=teacher, discriminator=d)
+    assert set(losses) == {"model", "discriminator"}
+    s_params, d_params = list(student.parameters()), list(d.parameters())
+    assert all(g.abs().max() == 0 for g in _grads(losses["model"], d_params)), "the student's term trained D"
+    assert all(g.abs().max() == 0 for g in _grads(losses["discriminator"], s_params)), "D's term trained the student"
+
+    # the same draws without the adversarial term, and the direct generator loss with D frozen
+    torch.manual_seed(1)
+    plain, _ = MeanFlowGAN(teacher="unused", r_neq_t=1.0, label_dropout=0.0, adv_weight=0.0).loss(
+        student, x, y, teacher=teacher, discriminator=d
+    )
+    torch.manual_seed(1)
+    objective.errors(student, x, y, teacher=teacher)  # the MeanFlow loss's draws, then generate's noise
+    x_g = objective.generate(student, x[:4], y[:4])
+    d.requires_grad_(False)
+    direct = plain["model"] + 0.5 * F.softplus(-d(x_g, y[:4])).mean()
+    torch.testing.assert_close(losses["model"], direct, rtol=1e-5, atol=1e-6)
+    for g, g_ref in zip(_grads(losses["model"], s_params), _grads(direct, s_params)):
+        torch.testing.assert_close(g, g_ref, rtol=1e-4, atol=1e-6)
+    assert metrics["adv"] > 0 and "r1" in metrics
+
+
+def test_discriminator_loss_and_r1_against_a_linear_d():
+    objective, student, teacher, x, y = _setup(adv_frac=0.25, r1_gamma=2.0)
+    d = LinearD((3, 8, 8))
+    torch.manual_seed(1)
+    losses, metrics = objective.loss(student, x, y, teacher=teacher, discriminator=d)
+    torch.manual_seed(1)
+    objective.errors(student, x, y, teacher=teacher)
+    with torch.no_grad():
+        x_g = objective.generate(student, x[:2], y[:2])
+        expected = F.softplus(-d(x, y)).mean() + F.softplus(d(x_g, y[:2])).mean() + 0.5 * 2.0 * d.w.square().sum()
+    torch.testing.assert_close(losses["discriminator"], expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(metrics["r1"], d.w.detach().square().sum(), rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize(("size", "channels", "classes"), [(28, 1, 10), (32, 4, 0), (8, 3, 1000)])
+def test_discriminator_shapes(size, channels, classes):
+    d = build_discriminator({"in_channels": channels, "num_classes": classes, "input_size": size}, width=8, depth=3)
+    y = torch.tensor([0, classes - 1]) if classes else None
+    out = d(torch.randn(2, channels, size, size), y)
+    assert out.shape == (2,) and torch.isfinite(out).all()
+    assert isinstance(d, Discriminator) and (d.embed is None) == (classes == 0)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"adv_weight": -1.0}, "adv_weight >= 0"),
+        ({"adv_frac": 0.0}, r"adv_frac in \(0, 1\]"),
+        ({"disc_lr": 0.0}, "disc_lr > 0"),
+        ({"r1_gamma": -0.1}, "r1_gamma >= 0"),
+        ({"disc_width": 0}, "disc_width must be an int >= 1"),
+        ({"disc_depth": 2.5}, "disc_depth must be an int >= 1"),
+        ({"teacher": ""}, "objective.teacher is not set"),
+    ],
+)
+def test_bad_settings(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        MeanFlowGAN(**({"teacher": "unused"} | kwargs))
+
+
+def test_r1_under_several_processes_is_refused(monkeypatch):
+    objective, student, teacher, x, y = _setup(r1_gamma=0.1)
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 2)
+    with pytest.raises(ValueError, match="set objective.r1_gamma=0 for a multi-process run"):
+        objective.loss(student, x, y, teacher=teacher, discriminator=LinearD((3, 8, 8)))
+    objective.r1_gamma = 0.0
+    losses, _ = objective.loss(student, x, y, teacher=teacher, discriminator=LinearD((3, 8, 8)))
+    assert torch.isfinite(losses["discriminator"])
