@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flm.objectives.guidance import unwrap
 from flm.objectives.protocol import Network
 
 
@@ -39,7 +40,6 @@ class Discriminator(nn.Module):
             c = width * 2**i
         self.features = nn.Sequential(*layers)
         self.logit = nn.Linear(c, 1)
-        self.num_classes = num_classes
         self.embed = nn.Embedding(num_classes, c) if num_classes else None
 
     def forward(self, x, y=None):
@@ -52,11 +52,6 @@ class Discriminator(nn.Module):
 
 def build_discriminator(model_args: dict, *, width: int, depth: int) -> Discriminator:
     return Discriminator(model_args["in_channels"], model_args.get("num_classes", 0), width=width, depth=depth)
-
-
-def _inner(net: nn.Module) -> nn.Module:
-    """The module under a DDP wrapper (its forward without DDP's gradient hooks)."""
-    return net.module if isinstance(net, nn.parallel.DistributedDataParallel) else net
 
 
 class AdversarialRegularised:
@@ -110,9 +105,10 @@ class AdversarialRegularised:
         y_g = None if y is None else y[:k]
         x_g = self.generate(model, x[:k], y_g)
 
-        # the student's term, through D with its weights held: g = d mean L_G / d x_g
+        # the student's term, through D with its weights held: g = d mean L_G / d x_g (the module under DDP: no
+        # gradient hooks, as no weight gradient is taken)
         x_in = x_g.detach().requires_grad_(True)
-        (g,) = torch.autograd.grad(F.softplus(-_inner(discriminator)(x_in, y_g).float()).mean(), x_in)
+        (g,) = torch.autograd.grad(F.softplus(-unwrap(discriminator)(x_in, y_g).float()).mean(), x_in)
 
         # the discriminator's: data against the student's samples, in one forward (one DDP forward per step)
         real = x.detach().requires_grad_(bool(self.r1_gamma))

@@ -256,9 +256,15 @@ class MeanFlow(nn.Module):
         s = self.path.sample(x, torch.randn_like(x), t)
         if self.identity == "lagrangian":
             u_tgt, u = self._lagrangian_target(model, s.x_t, t, r, y_in, teacher)
-            if self.split_above is not None:
-                u_tgt = self._with_split_targets(model, s.x_t, t, r, y_in, u_tgt, teacher, ema)
-            return t, r, u.float() - u_tgt
+        else:
+            u_tgt, u = self._eulerian_target(model, s, r, y, y_in, teacher)
+        if self.split_above is not None:
+            u_tgt = self._with_split_targets(model, s.x_t, t, r, y_in, u_tgt, teacher, ema)
+        return t, r, u.float() - u_tgt
+
+    def _eulerian_target(self, model, s, r, y, y_in, teacher=None):
+        """(sg(u_tgt), u) of the MeanFlow identity (eq. 8) at the path sample s; y are the labels before dropout."""
+        t = s.t
         guided_training = self.cfg_omega != 1.0 or self.cfg_kappa != 0.0
         v = self._guided_velocity(model, s, y, y_in) if guided_training else s.dx_t
         if teacher is not None:
@@ -271,10 +277,7 @@ class MeanFlow(nn.Module):
 
         # u and du/dt along (dz, dr, dt) = (v, 0, 1) (eq. 8; dz = sg(u(z_t, t, t)) for tangent="model"): r has none
         u, dudt = jvp(lambda z, t_: model(z, t_, r, y_in), (s.x_t, t), (dz, torch.ones_like(t)), mode=self.jvp_mode)
-        u_tgt = (v - bcast(t - r, v) * dudt.float()).detach()
-        if self.split_above is not None:
-            u_tgt = self._with_split_targets(model, s.x_t, t, r, y_in, u_tgt, teacher, ema)
-        return t, r, u.float() - u_tgt
+        return (v - bcast(t - r, v) * dudt.float()).detach(), u
 
     def _lagrangian_target(self, model, z, t, r, y, teacher=None):
         """(sg(u_tgt), u) of the Lagrangian identity: u_tgt = v(X, r) + (t - r) du/dr at X = z - (t - r) u."""
