@@ -44,10 +44,11 @@ SAMPLER_STEPS = {
     "rcm": [1, 2],
     "meanflow_distill": [1, 2],
     "meanflow_dmd": [1, 2],
+    "meanflow_gan": [1, 2],
 }
 
 
-DISTILLED = ("scd", "rcm", "meanflow_distill", "meanflow_dmd")  # students of a teacher: a flow map to compare with
+DISTILLED = ("scd", "rcm", "meanflow_distill", "meanflow_dmd", "meanflow_gan")  # students of a teacher: a flow map to compare with
 
 
 def sh(args: list[str], log: str) -> str:

@@ -102,6 +102,11 @@ class MeanFlow(nn.Module):
         r_zero: fraction of samples with r = 0, drawn before r_neq_t applies: the interval [0, t] of a
             consistency model, whose t = 1 end is the 1-step sampler's. Two logit-normal draws rarely span
             it (t - r >= 0.7 for ~1 % of samples, docs/quality.md); 0 is the paper's proposal.
+        one_step_frac: this fraction of each batch (a fixed count, the batch's first samples) takes (r, t) = (0, 1),
+            the one-step sampler's own interval, which the logit-normal proposal never draws (t > 0.95 for 0.04 %
+            of its draws). They are the batch's longest intervals, so with split_above set and split_frac at least
+            this fraction they take the split target: the model's own two half jumps 1 -> 1/2 -> 0, its 2-step
+            sampler, distilled into its one step.
         adaptive_p, adaptive_c: adaptive weight 1 / (||err||^2 + c)^p (paper: p = 1.0, c = 1e-3);
             p = 0 is the plain squared error.
         cfg_omega, cfg_kappa: guidance in training (paper eq. 19); 1.0 and 0.0 turn it off.
@@ -131,6 +136,7 @@ class MeanFlow(nn.Module):
         t_std: float = 1.0,
         r_neq_t: float = 0.25,
         r_zero: float = 0.0,
+        one_step_frac: float = 0.0,
         split_above: float | None = None,
         split_frac: float = 0.125,
         split_target: str = "student",
@@ -158,6 +164,7 @@ class MeanFlow(nn.Module):
         self.mid_t = mid_t
         check_probability("r_neq_t", r_neq_t)
         check_probability("r_zero", r_zero)
+        check_probability("one_step_frac", one_step_frac)
         if split_above is not None and not 0 <= split_above < 1:
             raise ValueError(f"split_above must be an interval length in [0, 1) or null (off), got {split_above!r}")
         if not 0 < split_frac <= 1:
@@ -172,6 +179,7 @@ class MeanFlow(nn.Module):
                 f"cfg_omega={cfg_omega!r}, cfg_kappa={cfg_kappa!r}; 1.0 and 0.0 turn it off"
             )
         self.t_mean, self.t_std, self.r_neq_t, self.r_zero = t_mean, t_std, r_neq_t, r_zero
+        self.one_step_frac = one_step_frac
         self.adaptive_p, self.adaptive_c = adaptive_p, adaptive_c
         self.cfg_omega, self.cfg_kappa = cfg_omega, cfg_kappa
         if tangent not in TANGENTS:
@@ -224,13 +232,17 @@ class MeanFlow(nn.Module):
 
     def sample_times(self, n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         """(t, r) with t >= r: two logit-normal draws sorted; a fraction r_zero gets r = 0, and of the others
-        a fraction 1 - r_neq_t gets r = t."""
+        a fraction 1 - r_neq_t gets r = t; then the first round(one_step_frac n) samples get (r, t) = (0, 1)."""
         a = logit_normal(n, self.t_mean, self.t_std, device=device)
         b = logit_normal(n, self.t_mean, self.t_std, device=device)
         t, r = torch.maximum(a, b), torch.minimum(a, b)
         r = torch.where(torch.rand(n, device=device) < self.r_neq_t, r, t)
         if self.r_zero:  # no extra draw at 0: the paper's proposal keeps its random stream
             r = torch.where(torch.rand(n, device=device) < self.r_zero, torch.zeros_like(r), r)
+        k = round(self.one_step_frac * n)  # a fixed count: static shapes, and the random stream is unchanged
+        if k:
+            t, r = t.clone(), r.clone()
+            t[:k], r[:k] = 1.0, 0.0
         return t, r
 
     @torch.no_grad()

@@ -271,6 +271,37 @@ def test_sample_times_r_zero():
         MeanFlow(r_zero=-0.1)
 
 
+def test_sample_times_one_step_frac():
+    """one_step_frac puts a fixed count, the batch's first samples, at (r, t) = (0, 1) and leaves the others' draws as
+    they were."""
+    torch.manual_seed(0)
+    t0, r0 = MeanFlow(r_neq_t=0.5).sample_times(64, "cpu")
+    torch.manual_seed(0)
+    t, r = MeanFlow(r_neq_t=0.5, one_step_frac=0.1).sample_times(64, "cpu")
+    assert (t[:6] == 1).all() and (r[:6] == 0).all()
+    torch.testing.assert_close((t[6:], r[6:]), (t0[6:], r0[6:]))
+    with pytest.raises(ValueError, match="one_step_frac must be a probability"):
+        MeanFlow(one_step_frac=1.5)
+
+
+def test_one_step_samples_take_the_models_two_step_sample_as_target():
+    """u = (z - a)/t + c t. On (r, t) = (0, 1) the split target is the 2-step sampler's average velocity,
+    z_1 - MeanFlow.sample(steps=2), so u - u_tgt = c (1 - r)(s + 1) / (4 s) = 3c/4 at s = 1/2 there."""
+    c, x = 0.3, _data()
+    model = PointMassMeanFlow(A, offset=c)
+    objective = MeanFlow(r_neq_t=1.0, adaptive_p=0.0, split_above=0.5, split_frac=0.125, one_step_frac=0.125)
+    torch.manual_seed(1)
+    t, r, err = objective.errors(model, x)
+    torch.manual_seed(1)
+    objective.sample_times(x.shape[0], x.device)
+    z = torch.randn_like(x)
+    u_2step = z - objective.sample(model, z, steps=2)
+    with torch.no_grad():
+        u = model(z, t, r)
+    torch.testing.assert_close(err[:8], (u - u_2step)[:8], rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(err[:8], torch.full_like(err[:8], 0.75 * c), rtol=1e-4, atol=1e-6)
+
+
 def test_adaptive_weight_gradient():
     """Gradient of sg(w) ||err||^2 is w * grad ||err||^2 with w = 1 / (||err||^2 + c)^p; the
     gradient reaches u only (u_tgt has a stop-gradient): d err / d offset = t, not 2t - r."""
