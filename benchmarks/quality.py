@@ -48,7 +48,8 @@ SAMPLER_STEPS = {
 }
 
 
-DISTILLED = ("scd", "rcm", "meanflow_distill", "meanflow_dmd", "meanflow_gan")  # students of a teacher: a flow map to compare with
+# students of a teacher: a flow map to compare with
+DISTILLED = ("scd", "rcm", "meanflow_distill", "meanflow_dmd", "meanflow_gan")
 
 
 def sh(args: list[str], log: str) -> str:
