@@ -107,6 +107,9 @@ class MeanFlow(nn.Module):
             of its draws). They are the batch's longest intervals, so with split_above set and split_frac at least
             this fraction they take the split target: the model's own two half jumps 1 -> 1/2 -> 0, its 2-step
             sampler, distilled into its one step.
+        two_step_frac: the next fraction of each batch (a fixed count) takes the 2-step sampler's two intervals, (s, 1)
+            and (0, s) in turn, s its intermediate time (mid_t, or 1/2): the jumps the 2-step sampler (and the
+            split target of the one-step samples) makes, which the proposal draws rarely too.
         adaptive_p, adaptive_c: adaptive weight 1 / (||err||^2 + c)^p (paper: p = 1.0, c = 1e-3);
             p = 0 is the plain squared error.
         cfg_omega, cfg_kappa: guidance in training (paper eq. 19); 1.0 and 0.0 turn it off.
@@ -137,6 +140,7 @@ class MeanFlow(nn.Module):
         r_neq_t: float = 0.25,
         r_zero: float = 0.0,
         one_step_frac: float = 0.0,
+        two_step_frac: float = 0.0,
         split_above: float | None = None,
         split_frac: float = 0.125,
         split_target: str = "student",
@@ -165,6 +169,11 @@ class MeanFlow(nn.Module):
         check_probability("r_neq_t", r_neq_t)
         check_probability("r_zero", r_zero)
         check_probability("one_step_frac", one_step_frac)
+        check_probability("two_step_frac", two_step_frac)
+        if one_step_frac + two_step_frac > 1:
+            raise ValueError(
+                f"one_step_frac + two_step_frac must be at most 1 (fractions of one batch), got {one_step_frac} + {two_step_frac}"
+            )
         if split_above is not None and not 0 <= split_above < 1:
             raise ValueError(f"split_above must be an interval length in [0, 1) or null (off), got {split_above!r}")
         if not 0 < split_frac <= 1:
@@ -179,7 +188,7 @@ class MeanFlow(nn.Module):
                 f"cfg_omega={cfg_omega!r}, cfg_kappa={cfg_kappa!r}; 1.0 and 0.0 turn it off"
             )
         self.t_mean, self.t_std, self.r_neq_t, self.r_zero = t_mean, t_std, r_neq_t, r_zero
-        self.one_step_frac = one_step_frac
+        self.one_step_frac, self.two_step_frac = one_step_frac, two_step_frac
         self.adaptive_p, self.adaptive_c = adaptive_p, adaptive_c
         self.cfg_omega, self.cfg_kappa = cfg_omega, cfg_kappa
         if tangent not in TANGENTS:
@@ -232,17 +241,22 @@ class MeanFlow(nn.Module):
 
     def sample_times(self, n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         """(t, r) with t >= r: two logit-normal draws sorted; a fraction r_zero gets r = 0, and of the others
-        a fraction 1 - r_neq_t gets r = t; then the first round(one_step_frac n) samples get (r, t) = (0, 1)."""
+        a fraction 1 - r_neq_t gets r = t; then the first round(one_step_frac n) samples get (r, t) = (0, 1) and the
+        next round(two_step_frac n) the 2-step sampler's (s, 1) and (0, s) in turn."""
         a = logit_normal(n, self.t_mean, self.t_std, device=device)
         b = logit_normal(n, self.t_mean, self.t_std, device=device)
         t, r = torch.maximum(a, b), torch.minimum(a, b)
         r = torch.where(torch.rand(n, device=device) < self.r_neq_t, r, t)
         if self.r_zero:  # no extra draw at 0: the paper's proposal keeps its random stream
             r = torch.where(torch.rand(n, device=device) < self.r_zero, torch.zeros_like(r), r)
-        k = round(self.one_step_frac * n)  # a fixed count: static shapes, and the random stream is unchanged
-        if k:
+        # fixed counts: static shapes, and the random stream is unchanged
+        k1, k2 = round(self.one_step_frac * n), round(self.two_step_frac * n)
+        if k1 or k2:
             t, r = t.clone(), r.clone()
-            t[:k], r[:k] = 1.0, 0.0
+            t[:k1], r[:k1] = 1.0, 0.0
+            s = self.mid_t[0] if len(self.mid_t) == 1 else 0.5  # the 2-step sampler's intermediate time
+            t[k1 : k1 + k2 : 2], r[k1 : k1 + k2 : 2] = 1.0, s
+            t[k1 + 1 : k1 + k2 : 2], r[k1 + 1 : k1 + k2 : 2] = s, 0.0
         return t, r
 
     @torch.no_grad()

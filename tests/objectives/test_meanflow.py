@@ -271,17 +271,31 @@ def test_sample_times_r_zero():
         MeanFlow(r_zero=-0.1)
 
 
-def test_sample_times_one_step_frac():
-    """one_step_frac puts a fixed count, the batch's first samples, at (r, t) = (0, 1) and leaves the others' draws as
-    they were."""
+@pytest.mark.parametrize(("mid_t", "s"), [((), 0.5), ((0.6,), 0.6)])
+def test_sample_times_one_and_two_step_fracs(mid_t, s):
+    """one_step_frac puts a fixed count, the batch's first samples, at (r, t) = (0, 1); two_step_frac the next ones at
+    the 2-step sampler's (s, 1) and (0, s) in turn; the others' draws stay as they were."""
     torch.manual_seed(0)
     t0, r0 = MeanFlow(r_neq_t=0.5).sample_times(64, "cpu")
     torch.manual_seed(0)
-    t, r = MeanFlow(r_neq_t=0.5, one_step_frac=0.1).sample_times(64, "cpu")
+    t, r = MeanFlow(r_neq_t=0.5, one_step_frac=0.1, two_step_frac=0.125, mid_t=mid_t).sample_times(64, "cpu")
     assert (t[:6] == 1).all() and (r[:6] == 0).all()
-    torch.testing.assert_close((t[6:], r[6:]), (t0[6:], r0[6:]))
-    with pytest.raises(ValueError, match="one_step_frac must be a probability"):
-        MeanFlow(one_step_frac=1.5)
+    torch.testing.assert_close(t[6:14], torch.tensor([1.0, s] * 4))
+    torch.testing.assert_close(r[6:14], torch.tensor([s, 0.0] * 4))
+    torch.testing.assert_close((t[14:], r[14:]), (t0[14:], r0[14:]))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"one_step_frac": 1.5}, "one_step_frac must be a probability"),
+        ({"two_step_frac": -0.1}, "two_step_frac must be a probability"),
+        ({"one_step_frac": 0.6, "two_step_frac": 0.5}, "one_step_frac \\+ two_step_frac must be at most 1"),
+    ],
+)
+def test_sampler_interval_fracs_config_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        MeanFlow(**kwargs)
 
 
 def test_one_step_samples_take_the_models_two_step_sample_as_target():
