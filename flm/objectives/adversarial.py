@@ -73,7 +73,7 @@ class AdversarialRegularised:
     def __init__(
         self,
         *,
-        adv_weight: float = 0.1,
+        adv_weight: float = 0.3,
         adv_frac: float = 0.25,
         disc_lr: float = 2e-4,
         r1_gamma: float = 0.1,
