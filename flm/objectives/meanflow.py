@@ -105,8 +105,8 @@ class MeanFlow(nn.Module):
         one_step_frac: this fraction of each batch (a fixed count, the batch's first samples) takes (r, t) = (0, 1),
             the one-step sampler's own interval, which the logit-normal proposal never draws (t > 0.95 for 0.04 %
             of its draws). They are the batch's longest intervals, so with split_above set and split_frac at least
-            this fraction they take the split target: the model's own two half jumps 1 -> 1/2 -> 0, its 2-step
-            sampler, distilled into its one step.
+            this fraction they take the split target: the model's own two half jumps 1 -> 1/2 -> 0 (its 2-step
+            sample with the default mid_t), distilled into its one step.
         two_step_frac: the next fraction of each batch (a fixed count) takes the 2-step sampler's two intervals, (s, 1)
             and (0, s) in turn, s its intermediate time (mid_t, or 1/2): the jumps the 2-step sampler (and the
             split target of the one-step samples) makes, which the proposal draws rarely too.
