@@ -259,7 +259,7 @@ class MeanFlow(nn.Module):
         if k1 or k2:
             t, r = t.clone(), r.clone()
             t[:k1], r[:k1] = 1.0, 0.0
-            s = self.mid_t[0] if len(self.mid_t) == 1 else 0.5  # the 2-step sampler's intermediate time
+            s = self.sampler_times(2, device)[1]  # the 2-step sampler's intermediate time
             t[k1 : k1 + k2 : 2], r[k1 : k1 + k2 : 2] = 1.0, s
             t[k1 + 1 : k1 + k2 : 2], r[k1 + 1 : k1 + k2 : 2] = s, 0.0
         return t, r
@@ -384,6 +384,13 @@ class MeanFlow(nn.Module):
         n = x.shape[0]
         return eps - model(eps, eps.new_ones(n), eps.new_zeros(n), y)
 
+    def sampler_times(self, steps: int, device) -> torch.Tensor:
+        """The `steps` + 1 times of the few-step sampler, 1 to 0: through mid_t when steps == len(mid_t) + 1, else
+        uniform."""
+        if steps == len(self.mid_t) + 1:
+            return torch.tensor([1.0, *self.mid_t, 0.0], device=device)
+        return time_grid(steps, 1.0, 0.0, device=device)
+
     @torch.no_grad()
     def sample(self, model, noise, y=None, *, steps: int, cfg_scale: float = 1.0, generators=None):
         """z_r = z_t - (t - r) u(z_t, r, t) from t = 1 to 0 in `steps` jumps (eq. 12): through mid_t when
@@ -393,10 +400,7 @@ class MeanFlow(nn.Module):
         meant for cfg_scale = 1. Deterministic: `generators` (the shared sampler signature) go unused.
         """
         check_cfg(model, y, cfg_scale)
-        if steps == len(self.mid_t) + 1:
-            ts = torch.tensor([1.0, *self.mid_t, 0.0], device=noise.device)
-        else:
-            ts = time_grid(steps, 1.0, 0.0, device=noise.device)
+        ts = self.sampler_times(steps, noise.device)
         z = noise
         for t, r in zip(ts[:-1], ts[1:]):
             n = z.shape[0]
