@@ -4,7 +4,10 @@
 
 Prints FID of n MNIST training digits vs n MNIST test digits (small: the two splits are one
 distribution; n = 1000 leaves a bias of ~15) and of n Fashion-MNIST test images vs n MNIST test digits
-(large). With --full, also n training digits against the whole test split's cached statistics.
+(large). With --full, also n training digits against the whole test split's cached statistics. With --perturb, the
+same n training digits against the test split's statistics after pixel-scale damage of known size: Gaussian noise
+(what a one-step sample's speckles are like), its high-pass part only (flm.objectives.frequency.high_pass), and a
+3 x 3 blur; how much FID charges for each says which errors of a generator it weighs.
 """
 
 import argparse
@@ -14,6 +17,21 @@ import torch
 
 from flm.data import build_dataset
 from flm.metrics.fid import features, frechet_distance, load_inception, moments, reference_stats
+from flm.metrics.images import as_float_images
+from flm.objectives.frequency import high_pass
+
+NOISE_STDS = (0.02, 0.05, 0.1)
+
+
+def perturbations(x: torch.Tensor, seed: int = 0):
+    """(name, images) of x in [-1, 1] (N, C, H, W): clean, + Gaussian noise, + high-passed noise, blurred."""
+    noise = torch.randn(x.shape, generator=torch.Generator().manual_seed(seed))
+    yield "clean", x
+    for std in NOISE_STDS:
+        yield f"+ noise, std {std}", (x + std * noise).clamp(-1, 1)
+    for std in NOISE_STDS:
+        yield f"+ high-passed noise, std {std}", (x + std * high_pass(noise)).clamp(-1, 1)
+    yield "3 x 3 binomial blur", x - high_pass(x)
 
 
 def main() -> None:
@@ -25,21 +43,31 @@ def main() -> None:
     p.add_argument("--full", action="store_true", help="also vs the whole MNIST test split (cached statistics)")
     p.add_argument("--cache", default=None)
     p.add_argument("--subset", choices=("random", "first"), default="random", help="n random images (seed 0) or the first n")
+    p.add_argument("--perturb", action="store_true", help="only: n training digits, damaged, vs the test split")
     args = p.parse_args()
     net = load_inception(args.inception, device=args.device)
 
-    def stats(name, split):
+    def images(name, split):
         data = build_dataset(name, root=args.data, download=False, split=split)
         order = (
             torch.randperm(len(data), generator=torch.Generator().manual_seed(0))
             if args.subset == "random"
             else torch.arange(len(data))
         )
-        idx = order[: args.n]
+        return data.__getitems__(order[: args.n].tolist())[0]
+
+    def stats(name, split):
         t = time.perf_counter()
-        s = moments(features(data.__getitems__(idx.tolist())[0], net))
+        s = moments(features(images(name, split), net))
         print(f"{name} {split}: {args.n} images in {time.perf_counter() - t:.0f} s", flush=True)
         return s
+
+    if args.perturb:
+        ref = reference_stats(net, "mnist", split="test", root=args.data, cache=args.cache)
+        print(f"| MNIST train digits ({args.n}) vs the test split ({ref.n}) | FID |\n|---|---|")
+        for name, x in perturbations(as_float_images(images("mnist", "train"))):
+            print(f"| {name} | {frechet_distance(*moments(features(x, net)), ref.mu, ref.sigma):.2f} |", flush=True)
+        return
 
     mnist_test = stats("mnist", "test")
     mnist_train = stats("mnist", "train")

@@ -19,6 +19,7 @@ import argparse
 
 import torch
 
+from flm.objectives.frequency import high_pass
 from flm.objectives.guidance import num_classes
 from flm.train.generator import load_generator, open_generator
 from flm.train.sampling import class_labels
@@ -52,13 +53,14 @@ def sample(model, objective, noise, y, steps: int, batch_size: int) -> torch.Ten
 
 
 def flow_map_errors(student, teacher, noise, y, *, steps, teacher_steps: int, batch_size: int) -> list[dict]:
-    """One row per (who, steps): mean squared distance per element to the teacher's teacher_steps solution."""
+    """One row per (who, steps): mean squared distance per element to the teacher's teacher_steps solution, and of
+    its high-pass (pixel-scale) part, flm.objectives.frequency.high_pass."""
     reference = sample(*teacher, noise, y, teacher_steps, batch_size)
     rows = []
     for who, (model, objective) in (("student", student), ("teacher", teacher)):
         for n in steps:
-            x = sample(model, objective, noise, y, n, batch_size)
-            rows.append({"model": who, "steps": n, "mse": float((x - reference).square().mean())})
+            e = sample(model, objective, noise, y, n, batch_size) - reference
+            rows.append({"model": who, "steps": n, "mse": float(e.square().mean()), "hf": float(high_pass(e).square().mean())})
     return rows
 
 
@@ -91,10 +93,10 @@ def main(argv=None):
         f"(its first EMA), {args.n} noises; reference: the teacher's "
         f"{args.teacher_steps}-step Euler solution"
     )
-    print("| model | steps | mean squared distance per element |")
-    print("|---|---|---|")
+    print("| model | steps | mean squared distance per element | its high-pass part | high-pass share |")
+    print("|---|---|---|---|---|")
     for row in rows:
-        print(f"| {row['model']} | {row['steps']} | {row['mse']:.5f} |")
+        print(f"| {row['model']} | {row['steps']} | {row['mse']:.5f} | {row['hf']:.5f} | {row['hf'] / row['mse']:.2f} |")
 
 
 if __name__ == "__main__":

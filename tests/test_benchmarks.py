@@ -184,3 +184,15 @@ def test_flow_map_error_against_exact_straight_flows():
     assert mse["student", 1] == pytest.approx(c**2, rel=1e-5)
     assert mse["student", 2] > 0
     assert mse["teacher", 1] == pytest.approx(0, abs=1e-10) and mse["teacher", 2] == pytest.approx(0, abs=1e-10)
+
+
+def test_fid_sanity_perturbations_damage_by_the_stated_amounts():
+    """Clean first; the noise rows add noise of the stated std (clamped to [-1, 1]), the high-passed rows less; the
+    blur leaves a flat image alone."""
+    x = torch.zeros(64, 1, 16, 16)
+    rows = dict(load("fid_sanity").perturbations(x))
+    assert list(rows)[0] == "clean" and rows["clean"] is x
+    assert rows["+ noise, std 0.05"].std().item() == pytest.approx(0.05, rel=0.05)
+    hp = rows["+ high-passed noise, std 0.05"].std().item()
+    assert 0.02 < hp < 0.05  # the high-pass keeps most of white noise's power, not all of it
+    torch.testing.assert_close(rows["3 x 3 binomial blur"], x)
