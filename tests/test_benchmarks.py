@@ -191,7 +191,7 @@ def test_fid_sanity_perturbations_damage_by_the_stated_amounts():
     blur leaves a flat image alone."""
     x = torch.zeros(64, 1, 16, 16)
     rows = dict(load("fid_sanity").perturbations(x))
-    assert list(rows)[0] == "clean" and rows["clean"] is x
+    assert next(iter(rows)) == "clean" and rows["clean"] is x
     assert rows["+ noise, std 0.05"].std().item() == pytest.approx(0.05, rel=0.05)
     hp = rows["+ high-passed noise, std 0.05"].std().item()
     assert 0.02 < hp < 0.05  # the high-pass keeps most of white noise's power, not all of it
