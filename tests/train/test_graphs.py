@@ -46,9 +46,18 @@ def _flat_grads(params):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("objective_name, mode", [("meanflow", "dual"), ("meanflow", "two_pass"), ("scm", "dual")])
-def test_graph_replay_matches_the_eager_step(objective_name, mode):
-    objective = build_objective(objective_name, jvp_mode=mode).cuda()
+@pytest.mark.parametrize(
+    "objective_name, mode, options",
+    [
+        ("meanflow", "dual", {}),
+        ("meanflow", "two_pass", {}),
+        ("scm", "dual", {}),
+        # the MNIST student's options: split target, the samplers' intervals, the high-pass term (no host tensors)
+        ("meanflow", "dual", {"split_above": 0.5, "one_step_frac": 0.125, "two_step_frac": 0.25, "hf_weight": 16.0}),
+    ],
+)
+def test_graph_replay_matches_the_eager_step(objective_name, mode, options):
+    objective = build_objective(objective_name, jvp_mode=mode, **options).cuda()
     model = tiny_dit(attention="triton_jvp", time_inputs=objective.time_inputs, input_size=16, channels=4).cuda()
     params = list(model.parameters()) + list(objective.parameters())
 
