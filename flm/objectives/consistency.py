@@ -38,6 +38,7 @@ from torch import nn
 from flm.objectives.guidance import check_cfg, check_interval, drop_labels, guided
 from flm.objectives.jvp import check_jvp_mode, jvp
 from flm.objectives.checks import check_probability, check_std
+from flm.objectives.frequency import check_hf_weight, squared_error
 from flm.objectives.paths import (
     TrigFlowPath,
     bcast,
@@ -72,6 +73,8 @@ class SCM(nn.Module):
         p_mean, p_std: proposal tan(t) = exp(N(p_mean, p_std^2)) / sigma_d (paper: -1.0, 1.4 on
             CIFAR-10; -0.8, 1.6 on ImageNet 64).
         tangent_c: c of the tangent normalisation g / (||g|| + c) (paper: 0.1).
+        hf_weight: ||F - F- - g||^2 becomes ||.||^2 + hf_weight ||high_pass(.)||^2 (flm.objectives.frequency): the
+            pixel-scale part of the update counts (1 + hf_weight) times; 0 (the default) is the paper's loss.
         warmup_steps: tangent warm-up length in training steps (paper: 10k); 0 turns it off.
         logvar_channels: Fourier features of the adaptive-weighting head.
         label_dropout: probability of the null label (CFG training); classes read from the model.
@@ -93,6 +96,7 @@ class SCM(nn.Module):
         p_mean: float = -1.0,
         p_std: float = 1.4,
         tangent_c: float = 0.1,
+        hf_weight: float = 0.0,
         warmup_steps: int = 10_000,
         logvar_channels: int = 128,
         label_dropout: float = 0.1,
@@ -113,6 +117,7 @@ class SCM(nn.Module):
             raise ValueError(f"mid_t values must lie in (0, t_max={self.t_max:.4f}), got {tuple(mid_t)}")
         self.sigma_d, self.p_mean, self.p_std = sigma_d, p_mean, p_std
         self.tangent_c, self.warmup_steps, self.label_dropout = tangent_c, warmup_steps, label_dropout
+        self.hf_weight = check_hf_weight(hf_weight)
         self.jvp_mode = check_jvp_mode(jvp_mode)
         self.mid_t = tuple(float(t) for t in mid_t)
         self.cfg_interval = check_interval(cfg_interval)
@@ -155,10 +160,12 @@ class SCM(nn.Module):
         g_norm = g.flatten(1).norm(dim=1)
         g = g / bcast(g_norm + self.tangent_c, g)
 
-        mse = (F.float() - F_minus - g).square().flatten(1).mean(1)  # ||.||^2 / D per sample
+        err = F.float() - F_minus - g
+        sq = squared_error(err, self.hf_weight) / err[0].numel()  # ||.||^2 / D per sample (pixel-scale part weighted)
         logvar = self.logvar(t)
-        loss = (torch.exp(-logvar) * mse + logvar).mean()
-        return loss, {"loss": loss.detach(), "mse": mse.detach().mean(), "tangent_norm": g_norm.detach().mean()}
+        loss = (torch.exp(-logvar) * sq + logvar).mean()
+        mse = err.detach().square().mean()
+        return loss, {"loss": loss.detach(), "mse": mse, "tangent_norm": g_norm.detach().mean()}
 
     def consistency_fn(self, model, x_t, t, y, cfg_scale: float = 1.0):
         """f(x_t, t) = cos(t) x_t - sin(t) sigma_d F(x_t / sigma_d, t), t a python float."""

@@ -74,7 +74,7 @@ from flm.objectives.jvp import check_jvp_mode, jvp
 from flm.objectives.checks import check_probability, check_std
 from flm.objectives.adversarial import AdversarialRegularised
 from flm.objectives.dmd import DMDRegularised
-from flm.objectives.frequency import high_pass
+from flm.objectives.frequency import check_hf_weight, squared_error
 from flm.objectives.paths import LinearPath, bcast, logit_normal, time_grid
 from flm.objectives.protocol import NO_NETWORKS, Network
 from flm.objectives.teacher import load_teacher, teacher_velocity
@@ -200,9 +200,7 @@ class MeanFlow(nn.Module):
         self.t_mean, self.t_std, self.r_neq_t, self.r_zero = t_mean, t_std, r_neq_t, r_zero
         self.one_step_frac, self.two_step_frac = one_step_frac, two_step_frac
         self.adaptive_p, self.adaptive_c = adaptive_p, adaptive_c
-        if not 0 <= hf_weight < math.inf:
-            raise ValueError(f"hf_weight must be a finite weight >= 0 (0: the paper's squared error), got {hf_weight!r}")
-        self.hf_weight = hf_weight
+        self.hf_weight = check_hf_weight(hf_weight)
         self.cfg_omega, self.cfg_kappa = cfg_omega, cfg_kappa
         if tangent not in TANGENTS:
             raise ValueError(f"unknown tangent {tangent!r}; valid tangents: {', '.join(TANGENTS)}")
@@ -379,21 +377,9 @@ class MeanFlow(nn.Module):
         """sg(w) = 1 / (||u - u_tgt||^2 + c)^p per sample (section 4.3), from sq = ||u - u_tgt||^2."""
         return (sq.detach() + self.adaptive_c).pow(-self.adaptive_p)
 
-    def squared_error(self, err):
-        """||err||^2 per sample, plus hf_weight ||high_pass(err)||^2."""
-        sq = err.square().flatten(1).sum(1)
-        if self.hf_weight:
-            if err.dim() != 4:
-                raise ValueError(
-                    f"objective.hf_weight={self.hf_weight} weighs the pixel-scale part of image-shaped errors, got data of "
-                    f"shape {tuple(err.shape[1:])}; set objective.hf_weight=0"
-                )
-            sq = sq + self.hf_weight * high_pass(err).square().flatten(1).sum(1)
-        return sq
-
     def loss(self, model, x, y=None, *, step: int = 0, teacher=None, ema=None):
         _, _, err = self.errors(model, x, y, teacher=teacher, ema=ema)
-        sq = self.squared_error(err)  # ||u - u_tgt||^2 per sample (with its pixel-scale part weighted)
+        sq = squared_error(err, self.hf_weight)  # ||u - u_tgt||^2 per sample (its pixel-scale part weighted)
         loss = (self.adaptive_weight(sq) * sq).mean()
         return loss, {"loss": loss.detach(), "mse": err.detach().square().mean()}
 

@@ -51,6 +51,25 @@ def test_normalised_tangent_and_adaptive_weighting():
     assert norm > 0
 
 
+def test_hf_weight_weighs_the_pixel_scale_part_of_the_update(monkeypatch):
+    """With hf_weight the per-sample error ||F - F- - g||^2 gains hf_weight ||high_pass(F - F- - g)||^2 (at the
+    zero-initialised logvar, the loss is their mean over samples / D); the logged mse stays the plain one."""
+    from flm.objectives import consistency, frequency
+
+    seen = []
+    monkeypatch.setattr(consistency, "squared_error", lambda err, w: seen.append(err) or frequency.squared_error(err, w))
+    x = torch.randn(8, 1, 8, 8)
+    torch.manual_seed(3)
+    loss, metrics = SCM(warmup_steps=0, hf_weight=5.0).loss(tiny_dit(channels=1), x)
+    (err,) = seen
+    assert frequency.high_pass(err).abs().max() > 1e-2  # random data and weights: the error has a pixel-scale part
+    expected = (err.square().flatten(1).sum(1) + 5.0 * frequency.high_pass(err).square().flatten(1).sum(1)) / 64
+    torch.testing.assert_close(loss, expected.mean())
+    torch.testing.assert_close(metrics["mse"], err.square().mean())
+    with pytest.raises(ValueError, match="hf_weight"):
+        SCM(hf_weight=-1.0)
+
+
 @pytest.mark.parametrize("steps", [1, 2, 4])
 def test_sampler_with_the_exact_consistency_function_lands_on_the_data(steps):
     noise = torch.randn(16, 1, 2, 2)

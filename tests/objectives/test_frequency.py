@@ -6,7 +6,7 @@ python -m pytest tests/objectives/test_frequency.py -q
 import pytest
 import torch
 
-from flm.objectives.frequency import high_pass
+from flm.objectives.frequency import check_hf_weight, high_pass, squared_error
 
 
 def _loop_high_pass(e):
@@ -42,3 +42,21 @@ def test_high_pass_removes_constants_and_ramps_and_keeps_the_finest_pattern():
 def test_high_pass_needs_images():
     with pytest.raises(ValueError, match="image-shaped"):
         high_pass(torch.zeros(4, 2))
+
+
+def test_squared_error_adds_the_weighted_high_pass_part():
+    err = torch.randn(4, 1, 6, 6, dtype=torch.float64)
+    expected = err.square().flatten(1).sum(1) + 5.0 * _loop_high_pass(err).square().flatten(1).sum(1)
+    torch.testing.assert_close(squared_error(err, 5.0), expected)
+    torch.testing.assert_close(squared_error(err), err.square().flatten(1).sum(1))
+    toy = torch.randn(8, 2)  # 2-D points: the plain squared error only
+    torch.testing.assert_close(squared_error(toy), toy.square().sum(1))
+    with pytest.raises(ValueError, match="hf_weight=0"):
+        squared_error(toy, 1.0)
+
+
+@pytest.mark.parametrize("bad", [-1.0, float("inf"), float("nan")])
+def test_check_hf_weight(bad):
+    assert check_hf_weight(2.0) == 2.0
+    with pytest.raises(ValueError, match="hf_weight"):
+        check_hf_weight(bad)
