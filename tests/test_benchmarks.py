@@ -196,3 +196,12 @@ def test_fid_sanity_perturbations_damage_by_the_stated_amounts():
     hp = rows["+ high-passed noise, std 0.05"].std().item()
     assert 0.02 < hp < 0.05  # the high-pass keeps most of white noise's power, not all of it
     torch.testing.assert_close(rows["3 x 3 binomial blur"], x)
+
+
+def test_quality_steady_step_ms_is_the_median_after_the_first_window(tmp_path):
+    """The first window (compilation, capture) and a short slow last window do not set a run's step time."""
+    ms = [108.0, 55.2, 55.0, 55.6, 58.6]
+    (tmp_path / "metrics.jsonl").write_text(
+        "".join(json.dumps({"step": 50 * (i + 1), "step_ms": m}) + "\n" for i, m in enumerate(ms))
+    )
+    assert load("quality").steady_step_ms(str(tmp_path)) == pytest.approx((55.2 + 55.6) / 2)
