@@ -35,7 +35,7 @@ import math
 import torch
 from torch import nn
 
-from flm.objectives.guidance import check_cfg, check_interval, drop_labels, guided
+from flm.objectives.guidance import check_cfg, check_interval, drop_labels, guided, in_interval, null_labels, num_classes
 from flm.objectives.jvp import check_jvp_mode, jvp
 from flm.objectives.checks import check_probability, check_std
 from flm.objectives.frequency import check_hf_weight, squared_error
@@ -78,11 +78,16 @@ class SCM(nn.Module):
         warmup_steps: tangent warm-up length in training steps (paper: 10k); 0 turns it off.
         logvar_channels: Fourier features of the adaptive-weighting head.
         label_dropout: probability of the null label (CFG training); classes read from the model.
+        cfg_omega: guidance in training (MeanFlow's eq. 19 with kappa = 0, on TrigFlow): dx_t/dt becomes
+            omega dx_t/dt + (1 - omega) sigma_d F(x_t / sigma_d, t | null), one more forward without gradient, in the
+            target and the JVP tangent alike, so the model learns the guided flow's consistency function and samples
+            it in one evaluation; samples whose label was dropped keep dx_t/dt. 1.0 turns it off.
         jvp_mode: "dual" (one dual pass) or "two_pass" (no-grad JVP pass + gradient pass).
         sigma_max: t_max = arctan(sigma_max / sigma_d) is where sampling starts.
         mid_t: intermediate times for multi-step sampling, used when steps == len(mid_t) + 1
             (paper: (1.1,) for 2 steps); other step counts space times uniformly in t.
-        cfg_interval: [t_min, t_max] in TrigFlow time: the sampler guides only there; null: at every t.
+        cfg_interval: [t_min, t_max] in TrigFlow time: guidance in training and the sampler's guidance only there;
+            null: at every t.
     """
 
     time_inputs = 1
@@ -100,6 +105,7 @@ class SCM(nn.Module):
         warmup_steps: int = 10_000,
         logvar_channels: int = 128,
         label_dropout: float = 0.1,
+        cfg_omega: float = 1.0,
         jvp_mode: str = "dual",
         sigma_max: float = 80.0,
         mid_t: tuple[float, ...] = (1.1,),
@@ -118,6 +124,9 @@ class SCM(nn.Module):
         self.sigma_d, self.p_mean, self.p_std = sigma_d, p_mean, p_std
         self.tangent_c, self.warmup_steps, self.label_dropout = tangent_c, warmup_steps, label_dropout
         self.hf_weight = check_hf_weight(hf_weight)
+        if not 0 < cfg_omega < math.inf:
+            raise ValueError(f"cfg_omega must be > 0 (guidance in training; 1.0 turns it off), got {cfg_omega!r}")
+        self.cfg_omega = float(cfg_omega)
         self.jvp_mode = check_jvp_mode(jvp_mode)
         self.mid_t = tuple(float(t) for t in mid_t)
         self.cfg_interval = check_interval(cfg_interval)
@@ -141,7 +150,23 @@ class SCM(nn.Module):
         y = drop_labels(model, y, self.label_dropout)
         t = lognormal_trigflow(x.shape[0], self.p_mean, self.p_std, self.sigma_d, device=x.device)
         s = self.path.sample(x, torch.randn_like(x), t)
-        return self.consistency_loss(model, s.x_t, t, s.dx_t, y, step)
+        dx_t = s.dx_t if self.cfg_omega == 1.0 else self.guided_dxdt(model, s.x_t, t, s.dx_t, y)
+        return self.consistency_loss(model, s.x_t, t, dx_t, y, step)
+
+    @torch.no_grad()
+    def guided_dxdt(self, model, x_t, t, dx_t, y):
+        """omega dx_t/dt + (1 - omega) sigma_d F(x_t / sigma_d, t | null) (cfg_omega), where y (after label dropout)
+        is not the null class and t lies in cfg_interval; dx_t/dt elsewhere."""
+        if y is None or num_classes(model) == 0:
+            raise ValueError(
+                f"guidance in training (cfg_omega={self.cfg_omega}) needs a class-conditional model and labels; "
+                "set objective.cfg_omega=1.0"
+            )
+        null = null_labels(model, y)
+        v_null = self.sigma_d * self.network_output(model, x_t / self.sigma_d, t, null).float()
+        v = self.cfg_omega * dx_t + (1 - self.cfg_omega) * v_null
+        keep = bcast((y == null) | ~in_interval(t, self.cfg_interval), v)
+        return torch.where(keep, dx_t, v)
 
     def consistency_loss(self, model, x_t, t, dx_t, y, step):
         """Algorithm 1's loss at (x_t, t) with dx_t/dt = dx_t: the data's (sCT) or a teacher's (sCD)."""

@@ -57,6 +57,11 @@ class SCD(SCM):
 
     def __init__(self, *, teacher: str, teacher_cfg_scale: float = 1.0, **kwargs):
         super().__init__(**kwargs)
+        if self.cfg_omega != 1.0:
+            raise ValueError(
+                "a teacher's guidance (objective.teacher_cfg_scale) replaces guidance in training; keep "
+                f"objective.cfg_omega=1.0 with a teacher, got {self.cfg_omega}"
+            )
         if not teacher:
             raise ValueError("objective.teacher is not set; pass objective.teacher=<flow-matching run folder or .pt>")
         self.teacher, self.teacher_cfg_scale = str(teacher), check_teacher_cfg(teacher_cfg_scale)

@@ -8,7 +8,7 @@ import torch
 
 from flm.objectives import SCM
 from tests.models.tiny import tiny_dit
-from tests.objectives.toys import PointMassTrigFlow
+from tests.objectives.toys import LabelVelocity, PointMassTrigFlow
 
 A = 0.7
 
@@ -68,6 +68,35 @@ def test_hf_weight_weighs_the_pixel_scale_part_of_the_update(monkeypatch):
     torch.testing.assert_close(metrics["mse"], err.square().mean())
     with pytest.raises(ValueError, match="hf_weight"):
         SCM(hf_weight=-1.0)
+
+
+def test_guidance_in_training_keeps_the_exact_solution():
+    """With point-mass data the null-class velocity sigma_d F is the exact dx_t/dt too, so the guided velocity is
+    the flow's own and the loss stays ~0 for any omega (a wrong mix of the two would not)."""
+    model = PointMassTrigFlow(A)
+    model.num_classes = 3
+    torch.manual_seed(0)
+    loss, metrics = SCM(warmup_steps=0, cfg_omega=3.0).loss(model, _data(), torch.randint(0, 3, (64,)), step=5)
+    assert metrics["tangent_norm"] < 1e-4 and loss.abs() < 1e-9
+
+
+def test_guided_dxdt_mixes_in_the_null_class_velocity_where_labels_are_kept():
+    """F = the label's value (null: 0), so sigma_d F(. | null) = 0 and the guided velocity is omega dx_t/dt for kept
+    labels, dx_t/dt for dropped ones and outside cfg_interval."""
+    model, dx_t = LabelVelocity(), torch.randn(4, 1, 2, 2)
+    y = torch.tensor([0, 2, 3, 1])  # 3 is the null class
+    t = torch.tensor([0.5, 1.2, 0.5, 0.1])
+    out = SCM(cfg_omega=2.5).guided_dxdt(model, torch.randn(4, 1, 2, 2), t, dx_t, y)
+    torch.testing.assert_close(out, torch.cat([2.5 * dx_t[:2], dx_t[2:3], 2.5 * dx_t[3:]]))
+    out = SCM(cfg_omega=2.5, cfg_interval=(0.3, 1.0)).guided_dxdt(model, torch.randn(4, 1, 2, 2), t, dx_t, y)
+    torch.testing.assert_close(out, torch.cat([2.5 * dx_t[:1], dx_t[1:]]))
+
+
+def test_guidance_in_training_config_errors():
+    with pytest.raises(ValueError, match="cfg_omega must be > 0"):
+        SCM(cfg_omega=0.0)
+    with pytest.raises(ValueError, match="class-conditional model and labels"):
+        SCM(cfg_omega=2.0).loss(PointMassTrigFlow(A), _data())
 
 
 @pytest.mark.parametrize("steps", [1, 2, 4])

@@ -186,3 +186,9 @@ def test_bad_options_are_refused(regularised, kwargs, message):
 def test_meanflow_refuses_a_teacher_with_guidance_in_training():
     with pytest.raises(ValueError, match="replaces guidance in training"):
         MeanFlow(teacher="t", cfg_omega=2.0)
+
+
+@pytest.mark.parametrize("distilled", [SCD, RCM])
+def test_scd_refuses_guidance_in_training(distilled):
+    with pytest.raises(ValueError, match="replaces guidance in training"):
+        distilled(teacher="t", cfg_omega=2.0)
