@@ -29,8 +29,9 @@ def perturbations(x: torch.Tensor, seed: int = 0):
     yield "clean", x
     for std in NOISE_STDS:
         yield f"+ noise, std {std}", (x + std * noise).clamp(-1, 1)
+    noise = high_pass(noise)
     for std in NOISE_STDS:
-        yield f"+ high-passed noise, std {std}", (x + std * high_pass(noise)).clamp(-1, 1)
+        yield f"+ high-passed noise, std {std}", (x + std * noise).clamp(-1, 1)
     yield "3 x 3 binomial blur", x - high_pass(x)
 
 

@@ -11,3 +11,10 @@ def check_probability(name: str, p: float) -> None:
     """A probability: in [0, 1]."""
     if not 0.0 <= p <= 1.0:
         raise ValueError(f"{name} must be a probability in [0, 1], got {p!r}")
+
+
+def check_hf_weight(hf_weight: float) -> float:
+    """flm.objectives.frequency's weight of the pixel-scale error: finite, >= 0."""
+    if not 0 <= hf_weight < float("inf"):
+        raise ValueError(f"hf_weight must be a finite weight >= 0 (0: the plain squared error), got {hf_weight!r}")
+    return hf_weight

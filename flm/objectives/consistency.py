@@ -37,8 +37,8 @@ from torch import nn
 
 from flm.objectives.guidance import check_cfg, check_interval, drop_labels, guided, in_interval, null_labels, num_classes
 from flm.objectives.jvp import check_jvp_mode, jvp
-from flm.objectives.checks import check_probability, check_std
-from flm.objectives.frequency import check_hf_weight, squared_error
+from flm.objectives.checks import check_hf_weight, check_probability, check_std
+from flm.objectives.frequency import squared_error
 from flm.objectives.paths import (
     TrigFlowPath,
     bcast,

@@ -30,12 +30,6 @@ def high_pass(e: torch.Tensor) -> torch.Tensor:
     return e - _blur(_blur(e, 2), 3)
 
 
-def check_hf_weight(hf_weight: float) -> float:
-    if not 0 <= hf_weight < float("inf"):
-        raise ValueError(f"hf_weight must be a finite weight >= 0 (0: the plain squared error), got {hf_weight!r}")
-    return hf_weight
-
-
 def squared_error(err: torch.Tensor, hf_weight: float = 0.0) -> torch.Tensor:
     """||err||^2 + hf_weight ||high_pass(err)||^2 per sample: (B, ...) -> (B,)."""
     sq = err.square().flatten(1).sum(1)

@@ -71,10 +71,10 @@ from torch import nn
 
 from flm.objectives.guidance import check_cfg, check_interval, drop_labels, guided, in_interval, null_labels, num_classes
 from flm.objectives.jvp import check_jvp_mode, jvp
-from flm.objectives.checks import check_probability, check_std
+from flm.objectives.checks import check_hf_weight, check_probability, check_std
 from flm.objectives.adversarial import AdversarialRegularised
 from flm.objectives.dmd import DMDRegularised
-from flm.objectives.frequency import check_hf_weight, squared_error
+from flm.objectives.frequency import squared_error
 from flm.objectives.paths import LinearPath, bcast, logit_normal, time_grid
 from flm.objectives.protocol import NO_NETWORKS, Network
 from flm.objectives.teacher import load_teacher, teacher_velocity
@@ -176,6 +176,9 @@ class MeanFlow(nn.Module):
         if any(not 0 < t < 1 for t in mid_t) or any(a <= b for a, b in zip(mid_t, mid_t[1:])):
             raise ValueError(f"mid_t must be decreasing times in (0, 1) (1 is noise), got {mid_t}")
         self.mid_t = mid_t
+        # the 2-step sampler's intermediate time as a number: sample_times writes it into the batch's times without a
+        # host-to-device copy (a captured step allows none)
+        self.two_step_s = float(self.sampler_times(2, "cpu")[1])
         check_probability("r_neq_t", r_neq_t)
         check_probability("r_zero", r_zero)
         check_probability("one_step_frac", one_step_frac)
@@ -265,7 +268,7 @@ class MeanFlow(nn.Module):
         if k1 or k2:
             t, r = t.clone(), r.clone()
             t[:k1], r[:k1] = 1.0, 0.0
-            s = self.sampler_times(2, device)[1]  # the 2-step sampler's intermediate time
+            s = self.two_step_s
             t[k1 : k1 + k2 : 2], r[k1 : k1 + k2 : 2] = 1.0, s
             t[k1 + 1 : k1 + k2 : 2], r[k1 + 1 : k1 + k2 : 2] = s, 0.0
         return t, r

@@ -6,7 +6,8 @@ python -m pytest tests/objectives/test_frequency.py -q
 import pytest
 import torch
 
-from flm.objectives.frequency import check_hf_weight, high_pass, squared_error
+from flm.objectives.checks import check_hf_weight
+from flm.objectives.frequency import high_pass, squared_error
 
 
 def _loop_high_pass(e):
