@@ -6,7 +6,7 @@ Prints FID of n MNIST training digits vs n MNIST test digits (small: the two spl
 distribution; n = 1000 leaves a bias of ~15) and of n Fashion-MNIST test images vs n MNIST test digits
 (large). With --full, also n training digits against the whole test split's cached statistics. With --perturb, the
 same n training digits against the test split's statistics after pixel-scale damage of known size: Gaussian noise
-(what a one-step sample's speckles are like), its high-pass part only (flm.objectives.frequency.high_pass), and a
+(pixel-scale damage), its high-pass part only (flm.objectives.frequency.high_pass), and a
 3 x 3 blur; how much FID charges for each says which errors of a generator it weighs.
 """
 

@@ -119,8 +119,8 @@ class MeanFlow(nn.Module):
         adaptive_p, adaptive_c: adaptive weight 1 / (||err||^2 + c)^p (paper: p = 1.0, c = 1e-3);
             p = 0 is the plain squared error.
         hf_weight: the squared error becomes ||err||^2 + hf_weight ||high_pass(err)||^2 (flm.objectives.frequency):
-            the pixel-scale part of the error, which a one-step sample's speckles are, counts (1 + hf_weight) times;
-            0 (the default) is the paper's loss. Needs image-shaped data.
+            the pixel-scale part of the error, which FID on MNIST charges most (docs/quality.md), counts
+            (1 + hf_weight) times; 0 (the default) is the paper's loss. Needs image-shaped data.
         cfg_omega, cfg_kappa: guidance in training (paper eq. 19); 1.0 and 0.0 turn it off.
         label_dropout: probability of the null label (CFG training); classes read from the model.
         tangent: "sample" (v, the paper's) or "model" (sg(u(z_t, t, t)), see the module docstring).
