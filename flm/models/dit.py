@@ -213,7 +213,32 @@ class DiT(nn.Module):
             nn.init.zeros_(layer.weight)
             nn.init.zeros_(layer.bias)
 
-    def forward(self, x, t, r=None, y=None):
+    def forward(self, x, t, r=None, y=None, *, features=None):
+        """features: block indices; returns the hidden states (B, N, D) after those blocks, in that order, instead of
+        the output, and runs no block after the last of them (a discriminator's features, flm.objectives.adversarial;
+        through forward so that FSDP's and DDP's hooks run)."""
+        B, C, H, W = x.shape
+        if features is not None and (not features or any(not 0 <= i < len(self.blocks) for i in features)):
+            raise ValueError(
+                f"feature blocks must be indices in [0, {len(self.blocks)}) of this model's blocks, got {list(features)}"
+            )
+        h, c_act = self._embed(x, t, r, y)
+        if features is not None:
+            hidden = []
+            for block in self.blocks[: max(features) + 1]:
+                h = block(h, c_act)
+                hidden.append(h)
+            return [hidden[i] for i in features]
+        for block in self.blocks:
+            h = block(h, c_act)
+        out = self.final_layer(h, c_act)  # (B, N, p * p * C)
+        # unpatchify: (B, N, p * p * C) -> (B, C, H, W)
+        p, gh, gw = self.patch_size, H // self.patch_size, W // self.patch_size
+        out = out.reshape(B, gh, gw, p, p, C).permute(0, 5, 1, 3, 2, 4).reshape(B, C, H, W)
+        return out.to(x.dtype)
+
+    def _embed(self, x, t, r, y):
+        """The patch tokens (B, N, D) with their positions, and SiLU of the conditioning (B, D)."""
         B, C, H, W = x.shape
         self._check_inputs(x, r, y)
         p, gh, gw = self.patch_size, H // self.patch_size, W // self.patch_size
@@ -229,14 +254,7 @@ class DiT(nn.Module):
             if y is None:
                 y = torch.full((B,), self.num_classes, dtype=torch.long, device=x.device)
             c = c + self.y_embedder(y)
-        c_act = fnn.silu(c)
-
-        for block in self.blocks:
-            h = block(h, c_act)
-        out = self.final_layer(h, c_act)  # (B, N, p * p * C)
-        # unpatchify: (B, N, p * p * C) -> (B, C, H, W)
-        out = out.reshape(B, gh, gw, p, p, C).permute(0, 5, 1, 3, 2, 4).reshape(B, C, H, W)
-        return out.to(x.dtype)
+        return h, fnn.silu(c)
 
     def _check_inputs(self, x, r, y) -> None:
         expected = (self.in_channels, self.input_size, self.input_size)

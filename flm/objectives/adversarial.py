@@ -15,6 +15,13 @@ through D with D's weights held (a surrogate (x_g . sg(g)) whose gradient is g),
 help the student. D is a small convolutional network on the images (or latents), conditioned on the class by
 a projection (flm.objectives.adversarial.Discriminator), saved in the checkpoint; it is built from the
 model's image size, channels and classes.
+
+With disc_backbone="teacher" D is instead small trainable heads on the frozen teacher's hidden states
+(FeatureDiscriminator), as latent adversarial diffusion distillation does: D(x, y) = heads(teacher(x_s, s,
+y, features=blocks)) at x_s = (1 - s) x + s eps, s ~ logit-normal(disc_t_mean, disc_t_std), one draw per image. The teacher's
+features separate real from generated images from the first step (no discriminator to learn from scratch), and the
+noise makes D smooth in x. Its cost: the teacher's trunk up to the last feature block, forward and backward on the
+k generated images and forward on k data images.
 """
 
 import functools
@@ -24,8 +31,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flm.models import MODEL_SIZES
 from flm.objectives.guidance import unwrap
+from flm.objectives.paths import LinearPath, logit_normal
 from flm.objectives.protocol import Network
+
+BACKBONES = ("cnn", "teacher")
 
 
 class Discriminator(nn.Module):
@@ -54,6 +65,57 @@ def build_discriminator(model_args: dict, *, width: int, depth: int) -> Discrimi
     return Discriminator(model_args["in_channels"], model_args.get("num_classes", 0), width=width, depth=depth)
 
 
+class FeatureHead(nn.Module):
+    """One block's head: LayerNorm, a linear to `width` and LeakyReLU per token, then a linear logit plus a class
+    projection <embed(y), h> per token, averaged over the tokens."""
+
+    def __init__(self, hidden: int, num_classes: int, width: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(hidden, elementwise_affine=False)
+        self.proj = nn.Linear(hidden, width)
+        self.logit = nn.Linear(width, 1)
+        self.embed = nn.Embedding(num_classes, width) if num_classes else None
+
+    def forward(self, f, y=None):
+        h = F.leaky_relu(self.proj(self.norm(f)), 0.2)  # (B, N, width)
+        out = self.logit(h).squeeze(-1)  # (B, N)
+        if self.embed is not None and y is not None:
+            out = out + (h * self.embed(y)[:, None]).sum(-1)
+        return out.mean(1)
+
+
+class FeatureDiscriminator(nn.Module):
+    """Heads on a frozen network's hidden states after the blocks `blocks`: forward(features, y) -> (B, heads) logits,
+    features the list the DiT returns for those blocks (its forward's `features=`)."""
+
+    def __init__(self, hidden: int, num_classes: int, blocks, width: int = 256):
+        super().__init__()
+        self.feature_blocks = tuple(blocks)  # not `blocks`: FSDP2 shards a module's `blocks` one by one
+        self.heads = nn.ModuleList(FeatureHead(hidden, num_classes, width) for _ in self.feature_blocks)
+
+    def forward(self, features, y=None):
+        return torch.stack([head(f.float(), y) for head, f in zip(self.heads, features)], 1)
+
+
+def feature_blocks(depth: int, blocks) -> tuple[int, ...]:
+    """The teacher's blocks the heads read: `blocks` checked against the depth, or by default four evenly spaced ones
+    ending with the last (2, 5, 8, 11 of 12)."""
+    if blocks is None:
+        return tuple(sorted({max(0, depth * i // 4 - 1) for i in (1, 2, 3, 4)}))
+    blocks = tuple(blocks)
+    if not blocks or any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < depth for i in blocks):
+        raise ValueError(
+            f"objective.disc_blocks must be block indices in [0, {depth}) of the teacher (a DiT of depth {depth}), "
+            f"got {list(blocks)}; or null for four evenly spaced ones"
+        )
+    return blocks
+
+
+def build_feature_discriminator(model_args: dict, *, width: int, blocks) -> FeatureDiscriminator:
+    depth, hidden = MODEL_SIZES[model_args["name"]][:2]
+    return FeatureDiscriminator(hidden, model_args.get("num_classes", 0), feature_blocks(depth, blocks), width=width)
+
+
 class AdversarialRegularised:
     """Mixin before a distillation objective (one with a loss(model, x, y, *, step, teacher)): adds the adversarial
     term and the discriminator. The class that mixes it in defines generate(model, x, y): the student's one-step
@@ -66,7 +128,12 @@ class AdversarialRegularised:
             the student on that many samples: its cost).
         disc_lr: the discriminator's learning rate (its other optimizer settings are optim.*'s).
         r1_gamma: weight of the R1 penalty on the discriminator's gradient at the data (0: none).
-        disc_width, disc_depth: the discriminator's first width and number of strided convolutions.
+        disc_backbone: "cnn" (a small convolutional D on the images) or "teacher" (heads on the frozen teacher's
+            features of the noised images).
+        disc_width: the CNN's first width, or the width of each head.
+        disc_depth: the CNN's number of strided convolutions.
+        disc_blocks: the teacher's blocks the heads read (null: four evenly spaced ones, the last included).
+        disc_t_mean, disc_t_std: the logit-normal of the noise level s of the teacher backbone's input.
         **kwargs: the distillation objective's.
     """
 
@@ -77,8 +144,12 @@ class AdversarialRegularised:
         adv_frac: float = 0.25,
         disc_lr: float = 2e-4,
         r1_gamma: float = 0.1,
+        disc_backbone: str = "cnn",
         disc_width: int = 64,
         disc_depth: int = 3,
+        disc_blocks=None,
+        disc_t_mean: float = -1.0,
+        disc_t_std: float = 1.0,
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -90,9 +161,32 @@ class AdversarialRegularised:
         for name, v in (("disc_width", disc_width), ("disc_depth", disc_depth)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        if disc_backbone not in BACKBONES:
+            raise ValueError(f"objective.disc_backbone must be one of {', '.join(BACKBONES)}, got {disc_backbone!r}")
+        if disc_backbone == "teacher" and r1_gamma:
+            raise ValueError(
+                "objective.r1_gamma > 0 would take a double backward through the teacher; the teacher backbone's noised "
+                "input keeps D smooth instead: set objective.r1_gamma=0 with objective.disc_backbone=teacher"
+            )
+        if not (math.isfinite(disc_t_mean) and 0 < disc_t_std < math.inf):
+            raise ValueError(f"disc_t_mean must be finite and disc_t_std > 0, got {disc_t_mean!r} and {disc_t_std!r}")
         self.adv_weight, self.adv_frac, self.r1_gamma = adv_weight, adv_frac, r1_gamma
-        build = functools.partial(build_discriminator, width=disc_width, depth=disc_depth)
+        self.disc_backbone, self.disc_t_mean, self.disc_t_std = disc_backbone, disc_t_mean, disc_t_std
+        if disc_backbone == "cnn":
+            build = functools.partial(build_discriminator, width=disc_width, depth=disc_depth)
+        else:
+            build = functools.partial(build_feature_discriminator, width=disc_width, blocks=disc_blocks)
         self.networks = {**self.networks, "discriminator": Network(build=build, trainable=True, optim={"lr": disc_lr})}
+
+    def seen(self, x, y, teacher, discriminator):
+        """What D takes for images x: x itself (cnn), or the teacher's features of x noised to s (teacher), with the
+        gradient in x where x has one."""
+        if self.disc_backbone == "cnn":
+            return x
+        s = logit_normal(x.shape[0], self.disc_t_mean, self.disc_t_std, device=x.device)
+        x_s = LinearPath().sample(x.float(), torch.randn_like(x, dtype=torch.float32), s).x_t
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=x.is_cuda):
+            return teacher(x_s, s, None, y, features=unwrap(discriminator).feature_blocks)
 
     def loss(self, model, x, y=None, *, step=0, teacher, discriminator):
         if self.r1_gamma and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
@@ -108,14 +202,23 @@ class AdversarialRegularised:
         # the student's term, through D with its weights held: g = d mean L_G / d x_g (the module under DDP: no
         # gradient hooks, as no weight gradient is taken)
         x_in = x_g.detach().requires_grad_(True)
-        (g,) = torch.autograd.grad(F.softplus(-unwrap(discriminator)(x_in, y_g).float()).mean(), x_in)
+        seen_fake = self.seen(x_in, y_g, teacher, discriminator)
+        (g,) = torch.autograd.grad(F.softplus(-unwrap(discriminator)(seen_fake, y_g).float()).mean(), x_in)
 
-        # the discriminator's: data against the student's samples, in one forward (one DDP forward per step)
-        real = x.detach().requires_grad_(bool(self.r1_gamma))
-        both = torch.cat([real, x_g.detach().to(real.dtype)])
-        labels = None if y is None else torch.cat([y, y_g])
+        # the discriminator's: data against the student's samples, in one forward (one DDP forward per step); the
+        # teacher backbone sees as many data images as generated ones (its forward is the cost)
+        n_real = x.shape[0] if self.disc_backbone == "cnn" else k
+        y_real = None if y is None else y[:n_real]
+        real = x[:n_real].detach().requires_grad_(bool(self.r1_gamma))
+        with torch.no_grad():
+            seen_real = self.seen(real, y_real, teacher, discriminator)
+        if self.disc_backbone == "cnn":
+            both = torch.cat([real, x_g.detach().to(real.dtype)])
+        else:
+            both = [torch.cat([r, f.detach()]) for r, f in zip(seen_real, seen_fake)]
+        labels = None if y is None else torch.cat([y_real, y_g])
         logits = discriminator(both, labels).float()
-        d_real, d_fake = logits[: x.shape[0]], logits[x.shape[0] :]
+        d_real, d_fake = logits[:n_real], logits[n_real:]
         disc_loss = F.softplus(-d_real).mean() + F.softplus(d_fake).mean()
         if self.r1_gamma:
             (grad_real,) = torch.autograd.grad(d_real.sum(), real, create_graph=True)

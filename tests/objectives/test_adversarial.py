@@ -10,7 +10,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from flm.objectives import MeanFlowGAN
-from flm.objectives.adversarial import Discriminator, build_discriminator
+from flm.objectives.adversarial import (
+    Discriminator,
+    FeatureDiscriminator,
+    build_discriminator,
+    build_feature_discriminator,
+)
 from tests.models.tiny import tiny_dit
 
 
@@ -87,9 +92,82 @@ def test_discriminator_shapes(size, channels, classes):
     assert isinstance(d, Discriminator) and (d.embed is None) == (classes == 0)
 
 
+def test_dit_features_are_the_hidden_states_after_the_chosen_blocks():
+    model = tiny_dit(seed=3)
+    seen = []
+    hooks = [block.register_forward_hook(lambda m, i, o: seen.append(o)) for block in model.blocks]
+    x, t, y = torch.randn(2, 3, 8, 8), torch.rand(2), torch.tensor([1, 10])
+    model(x, t, None, y)
+    for h in hooks:
+        h.remove()
+    features = model(x, t, None, y, features=(1, 0))
+    torch.testing.assert_close(features[0], seen[1], rtol=0, atol=0)
+    torch.testing.assert_close(features[1], seen[0], rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"indices in \[0, 2\)"):
+        model(x, t, None, y, features=(2,))
+
+
+def _teacher_backbone(**kwargs):
+    objective, student, teacher, x, y = _setup(disc_backbone="teacher", r1_gamma=0.0, **kwargs)
+    args = {"name": "DiT-T/2", "num_classes": 10}
+    d = build_feature_discriminator(args, width=8, blocks=None)
+    with torch.no_grad():  # nonzero class projections
+        for p in d.parameters():
+            p.normal_(std=0.3)
+    return objective, student, teacher, x, y, d
+
+
+def test_the_teacher_backbone_trains_the_heads_and_the_student_through_the_frozen_teacher():
+    objective, student, teacher, x, y, d = _teacher_backbone(adv_weight=0.5, adv_frac=0.5)
+    assert d.feature_blocks == (0, 1)  # a DiT of depth 2: its four evenly spaced blocks collapse to both
+    torch.manual_seed(1)
+    losses, metrics = objective.loss(student, x, y, teacher=teacher, discriminator=d)
+    s_params, d_params = list(student.parameters()), list(d.parameters())
+    assert all(g.abs().max() == 0 for g in _grads(losses["model"], d_params)), "the student's term trained D"
+    assert all(g.abs().max() == 0 for g in _grads(losses["discriminator"], s_params)), "D's term trained the student"
+    assert all(p.grad is None and not p.requires_grad for p in teacher.parameters())
+
+    # the direct computation with the same draws: the MeanFlow loss, then generate's noise, then the noise levels
+    # and noises of the generated and the data images, in that order
+    torch.manual_seed(1)
+    base, _ = MeanFlowGAN(
+        teacher="unused", r_neq_t=1.0, label_dropout=0.0, adv_weight=0.0, disc_backbone="teacher", r1_gamma=0.0
+    ).loss(student, x, y, teacher=teacher, discriminator=d)
+    torch.manual_seed(1)
+    objective.errors(student, x, y, teacher=teacher)
+    x_g = objective.generate(student, x[:4], y[:4])
+    d.requires_grad_(False)
+    fake = d(objective.seen(x_g, y[:4], teacher, d), y[:4])
+    real = d(objective.seen(x[:4], y[:4], teacher, d), y[:4])
+    direct = base["model"] + 0.5 * F.softplus(-fake).mean()
+    torch.testing.assert_close(losses["model"], direct, rtol=1e-5, atol=1e-6)
+    for g, g_ref in zip(_grads(losses["model"], s_params), _grads(direct, s_params)):
+        torch.testing.assert_close(g, g_ref, rtol=1e-4, atol=1e-6)
+    expected = F.softplus(-real).mean() + F.softplus(fake).mean()
+    torch.testing.assert_close(losses["discriminator"], expected.detach(), rtol=1e-5, atol=1e-6)
+    assert fake.shape == (4, 2) and "r1" not in metrics
+
+
+@pytest.mark.parametrize(("blocks", "expected"), [(None, (2, 5, 8, 11)), ([3], (3,)), ([11, 0], (11, 0))])
+def test_feature_discriminator_blocks(blocks, expected):
+    d = build_feature_discriminator({"name": "DiT-S/2", "num_classes": 0}, width=4, blocks=blocks)
+    assert isinstance(d, FeatureDiscriminator) and d.feature_blocks == expected
+    out = d([torch.randn(2, 5, 384) for _ in expected])
+    assert out.shape == (2, len(expected)) and torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("blocks", [[12], [], [-1], [1.5]])
+def test_feature_blocks_outside_the_teacher_are_refused(blocks):
+    with pytest.raises(ValueError, match=r"objective.disc_blocks must be block indices in \[0, 12\)"):
+        build_feature_discriminator({"name": "DiT-S/2", "num_classes": 10}, width=4, blocks=blocks)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
+        ({"disc_backbone": "vgg"}, "disc_backbone must be one of cnn, teacher"),
+        ({"disc_backbone": "teacher"}, "set objective.r1_gamma=0 with objective.disc_backbone=teacher"),
+        ({"disc_t_std": 0.0}, "disc_t_std > 0"),
         ({"adv_weight": -1.0}, "adv_weight >= 0"),
         ({"adv_frac": 0.0}, r"adv_frac in \(0, 1\]"),
         ({"disc_lr": 0.0}, "disc_lr > 0"),

@@ -75,6 +75,7 @@ def test_the_teacher_stays_frozen_and_the_student_starts_from_it(tmp_path, teach
         ("meanflow_distill", []),
         ("meanflow_dmd", ["objective.fake_updates=0"]),
         ("meanflow_gan", ["objective.disc_width=8"]),
+        ("meanflow_gan", ["objective.disc_backbone=teacher", "objective.r1_gamma=0", "objective.disc_width=8"]),
     ],
 )
 def test_stop_and_resume_is_bit_exact_with_every_network(tmp_path, teacher, train_run, name, extra):
@@ -181,6 +182,7 @@ PARALLEL = {"ddp": [], "fsdp": ["trainer.parallel=fsdp"]}
     [
         ("rcm", ["objective.warmup_steps=2"], "fake_score"),
         ("meanflow_gan", ["objective.r1_gamma=0", "objective.disc_width=8"], "discriminator"),
+        ("meanflow_gan", ["objective.disc_backbone=teacher", "objective.r1_gamma=0", "objective.disc_width=8"], "discriminator"),
     ],
 )
 def test_two_processes_distil_as_one(tmp_path, teacher, train_run, name, extra, net):
