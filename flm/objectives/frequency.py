@@ -30,14 +30,15 @@ def high_pass(e: torch.Tensor) -> torch.Tensor:
     return e - _blur(_blur(e, 2), 3)
 
 
-def squared_error(err: torch.Tensor, hf_weight: float = 0.0) -> torch.Tensor:
-    """||err||^2 + hf_weight ||high_pass(err)||^2 per sample: (B, ...) -> (B,)."""
+def squared_error(err: torch.Tensor, hf_weight: float | torch.Tensor = 0.0) -> torch.Tensor:
+    """||err||^2 + hf_weight ||high_pass(err)||^2 per sample: (B, ...) -> (B,); hf_weight a number or one per
+    sample (B,)."""
     sq = err.square().flatten(1).sum(1)
-    if not hf_weight:
+    if not isinstance(hf_weight, torch.Tensor) and not hf_weight:
         return sq
     if err.dim() != 4:
         raise ValueError(
-            f"objective.hf_weight={hf_weight} weighs the pixel-scale part of image-shaped errors, got data of "
+            "objective.hf_weight weighs the pixel-scale part of image-shaped errors, got data of "
             f"shape {tuple(err.shape[1:])}; set objective.hf_weight=0"
         )
     return sq + hf_weight * high_pass(err).square().flatten(1).sum(1)

@@ -121,6 +121,9 @@ class MeanFlow(nn.Module):
         hf_weight: the squared error becomes ||err||^2 + hf_weight ||high_pass(err)||^2 (flm.objectives.frequency):
             the pixel-scale part of the error, which FID on MNIST charges most (docs/quality.md), counts
             (1 + hf_weight) times; 0 (the default) is the paper's loss. Needs image-shaped data.
+        hf_weight_one_step: hf_weight for the one_step_frac samples (the one-step sampler's interval) alone; null:
+            hf_weight. On MNIST the 2-step FID fell up to hf_weight 256 while the 1-step FID was best at 16-64
+            (docs/quality.md, tenth day): one network, two samplers.
         cfg_omega, cfg_kappa: guidance in training (paper eq. 19); 1.0 and 0.0 turn it off.
         label_dropout: probability of the null label (CFG training); classes read from the model.
         tangent: "sample" (v, the paper's) or "model" (sg(u(z_t, t, t)), see the module docstring).
@@ -159,6 +162,7 @@ class MeanFlow(nn.Module):
         adaptive_p: float = 1.0,
         adaptive_c: float = 1e-3,
         hf_weight: float = 0.0,
+        hf_weight_one_step: float | None = None,
         cfg_omega: float = 1.0,
         cfg_kappa: float = 0.0,
         label_dropout: float = 0.1,
@@ -204,6 +208,12 @@ class MeanFlow(nn.Module):
         self.one_step_frac, self.two_step_frac = one_step_frac, two_step_frac
         self.adaptive_p, self.adaptive_c = adaptive_p, adaptive_c
         self.hf_weight = check_hf_weight(hf_weight)
+        if hf_weight_one_step is not None and not one_step_frac:
+            raise ValueError(
+                f"hf_weight_one_step={hf_weight_one_step!r} weighs the one_step_frac samples, and one_step_frac is 0; "
+                "set objective.one_step_frac > 0 or objective.hf_weight_one_step=null"
+            )
+        self.hf_weight_one_step = None if hf_weight_one_step is None else check_hf_weight(hf_weight_one_step)
         self.cfg_omega, self.cfg_kappa = cfg_omega, cfg_kappa
         if tangent not in TANGENTS:
             raise ValueError(f"unknown tangent {tangent!r}; valid tangents: {', '.join(TANGENTS)}")
@@ -380,9 +390,19 @@ class MeanFlow(nn.Module):
         """sg(w) = 1 / (||u - u_tgt||^2 + c)^p per sample (section 4.3), from sq = ||u - u_tgt||^2."""
         return (sq.detach() + self.adaptive_c).pow(-self.adaptive_p)
 
+    def hf_weights(self, n: int, device) -> float | torch.Tensor:
+        """squared_error's hf_weight for a batch of n: hf_weight_one_step on its first round(one_step_frac n) samples
+        (sample_times puts the interval (0, 1) there), hf_weight on the others; a number when they are alike."""
+        k1 = round(self.one_step_frac * n)
+        if self.hf_weight_one_step is None or not k1:
+            return self.hf_weight
+        w = torch.full((n,), float(self.hf_weight), device=device)  # a fill on the device: capturable
+        w[:k1] = self.hf_weight_one_step
+        return w
+
     def loss(self, model, x, y=None, *, step: int = 0, teacher=None, ema=None):
         _, _, err = self.errors(model, x, y, teacher=teacher, ema=ema)
-        sq = squared_error(err, self.hf_weight)  # ||u - u_tgt||^2 per sample (its pixel-scale part weighted)
+        sq = squared_error(err, self.hf_weights(x.shape[0], x.device))  # ||u - u_tgt||^2 per sample (pixel-scale part weighted)
         loss = (self.adaptive_weight(sq) * sq).mean()
         return loss, {"loss": loss.detach(), "mse": err.detach().square().mean()}
 

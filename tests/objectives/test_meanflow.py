@@ -8,6 +8,7 @@ import torch
 
 from flm.objectives import MeanFlow
 from flm.objectives.guidance import drop_labels
+from flm.objectives.frequency import squared_error
 from flm.objectives.paths import LinearPath
 from flm.objectives.teacher import teacher_velocity
 from tests.models.tiny import tiny_dit
@@ -364,3 +365,27 @@ def test_hf_weight_adds_the_pixel_scale_part_of_the_error():
 def test_hf_weight_config_error():
     with pytest.raises(ValueError, match="hf_weight"):
         MeanFlow(hf_weight=-1.0)
+
+
+def test_hf_weight_one_step_weighs_the_one_step_samples_alone(monkeypatch):
+    objective = MeanFlow(one_step_frac=0.25, hf_weight=256.0, hf_weight_one_step=16.0, adaptive_p=0.0)
+    assert objective.hf_weights(8, "cpu").tolist() == [16.0, 16.0] + [256.0] * 6
+    assert MeanFlow(one_step_frac=0.25, hf_weight=4.0).hf_weights(8, "cpu") == 4.0
+    err = torch.randn(8, 1, 6, 6, generator=torch.Generator().manual_seed(0))
+    monkeypatch.setattr(objective, "errors", lambda *a, **k: (None, None, err))
+    loss, _ = objective.loss(None, torch.zeros(8, 1, 6, 6))
+    per_sample = [squared_error(err[i : i + 1], 16.0 if i < 2 else 256.0) for i in range(8)]
+    torch.testing.assert_close(loss, torch.cat(per_sample).mean())
+    assert not torch.allclose(loss, squared_error(err, 256.0).mean())  # the one-step samples did take 16
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"hf_weight_one_step": 16.0}, "set objective.one_step_frac > 0 or objective.hf_weight_one_step=null"),
+        ({"hf_weight_one_step": -1.0, "one_step_frac": 0.1}, "hf_weight must be a finite weight >= 0"),
+    ],
+)
+def test_hf_weight_one_step_config_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        MeanFlow(**kwargs)

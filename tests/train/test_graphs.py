@@ -54,6 +54,7 @@ def _flat_grads(params):
         ("scm", "dual", {}),
         # the MNIST student's options: split target, the samplers' intervals, the high-pass term (no host tensors)
         ("meanflow", "dual", {"split_above": 0.5, "one_step_frac": 0.125, "two_step_frac": 0.25, "hf_weight": 16.0}),
+        ("meanflow", "dual", {"one_step_frac": 0.125, "hf_weight": 256.0, "hf_weight_one_step": 16.0}),
     ],
 )
 def test_graph_replay_matches_the_eager_step(objective_name, mode, options):
