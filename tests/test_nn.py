@@ -128,3 +128,15 @@ def test_linear_under_autocast_matches_f_linear():
     gw, gw_ref = (torch.autograd.grad(v.float().sum(), w)[0] for v in (y, y_ref))
     assert gw.dtype == torch.float32
     torch.testing.assert_close(gw, gw_ref)
+
+
+def test_joins_and_scaled_keep_the_primal_and_tangent_of_the_plain_ops():
+    x, tx, b = torch.randn(2, 3, 4), torch.randn(2, 3, 4), torch.randn(1, 3, 4)
+    assert fnn.joins(b, x) is b and torch.equal(fnn.scaled(x, 0.3), x * 0.3)  # no dual: the plain tensors
+    with forward_ad.dual_level():
+        d = forward_ad.make_dual(x, tx)
+        joined = fnn.joins(b, d)
+        assert torch.equal(forward_ad.unpack_dual(joined).tangent, torch.zeros_like(b))
+        for fast, plain in ((d + joined, d + b), (fnn.scaled(d, 0.3), d * 0.3)):
+            got, want = forward_ad.unpack_dual(fast), forward_ad.unpack_dual(plain)
+            assert torch.equal(got.primal, want.primal) and torch.equal(got.tangent, want.tangent)

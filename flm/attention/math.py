@@ -2,10 +2,12 @@
 
 import torch
 
+from flm.nn import scaled
+
 
 def attention(q, k, v, *, causal: bool, scale: float, bias=None, key_padding_mask=None) -> torch.Tensor:
     # (B, H, Lq, D) x (B, H, Lkv, D) -> (B, H, Lq, Lkv); softmax in fp32 as the fused kernels do
-    s_BHQK = torch.matmul(q, k.transpose(-2, -1)).float() * scale
+    s_BHQK = scaled(torch.matmul(q, k.transpose(-2, -1)).float(), scale)
     if bias is not None:
         s_BHQK = s_BHQK + bias  # (B or 1, H or 1, Lq or 1, Lkv or 1), added in fp32
     if causal:

@@ -76,7 +76,8 @@ class TimestepEmbedder(nn.Module):
         self.fc2 = fnn.Linear(hidden, hidden)
 
     def forward(self, t: torch.Tensor) -> torch.Tensor:
-        args = t.float()[:, None] * self.freqs[None]  # (B, freq_dim / 2)
+        t = t.float()
+        args = t[:, None] * fnn.joins(self.freqs, t)[None]  # (B, freq_dim / 2)
         emb = torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
         return self.fc2(fnn.silu(self.fc1(emb)))  # (B, hidden)
 
@@ -244,7 +245,8 @@ class DiT(nn.Module):
         p, gh, gw = self.patch_size, H // self.patch_size, W // self.patch_size
         # patchify: (B, C, H, W) -> (B, N, C * p * p)
         patches = x.reshape(B, C, gh, p, gw, p).permute(0, 2, 4, 1, 3, 5).reshape(B, gh * gw, C * p * p)
-        h = self.x_embedder(patches) + self.pos_embed  # (B, N, D)
+        h = self.x_embedder(patches)
+        h = h + fnn.joins(self.pos_embed, h)  # (B, N, D)
 
         t = t.expand(B) if t.dim() == 0 else t
         c = self.t_embedder(t)  # (B, D)
@@ -253,7 +255,7 @@ class DiT(nn.Module):
         if self.y_embedder is not None:
             if y is None:
                 y = torch.full((B,), self.num_classes, dtype=torch.long, device=x.device)
-            c = c + self.y_embedder(y)
+            c = c + fnn.joins(self.y_embedder(y), c)
         return h, fnn.silu(c)
 
     def _check_inputs(self, x, r, y) -> None:
