@@ -33,8 +33,9 @@ from torch import nn
 
 from flm.models import MODEL_SIZES
 from flm.objectives.guidance import unwrap
-from flm.objectives.paths import LinearPath, logit_normal
+from flm.objectives.paths import logit_normal
 from flm.objectives.protocol import Network
+from flm.objectives.teacher import feature_blocks, teacher_features
 
 BACKBONES = ("cnn", "teacher")
 
@@ -97,23 +98,10 @@ class FeatureDiscriminator(nn.Module):
         return torch.stack([head(f.float(), y) for head, f in zip(self.heads, features)], 1)
 
 
-def feature_blocks(depth: int, blocks) -> tuple[int, ...]:
-    """The teacher's blocks the heads read: `blocks` checked against the depth, or by default four evenly spaced ones
-    ending with the last (2, 5, 8, 11 of 12)."""
-    if blocks is None:
-        return tuple(sorted({max(0, depth * i // 4 - 1) for i in (1, 2, 3, 4)}))
-    blocks = tuple(blocks)
-    if not blocks or any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < depth for i in blocks):
-        raise ValueError(
-            f"objective.disc_blocks must be block indices in [0, {depth}) of the teacher (a DiT of depth {depth}), "
-            f"got {list(blocks)}; or null for four evenly spaced ones"
-        )
-    return blocks
-
-
 def build_feature_discriminator(model_args: dict, *, width: int, blocks) -> FeatureDiscriminator:
     depth, hidden = MODEL_SIZES[model_args["name"]][:2]
-    return FeatureDiscriminator(hidden, model_args.get("num_classes", 0), feature_blocks(depth, blocks), width=width)
+    blocks = feature_blocks(depth, blocks, "objective.disc_blocks")
+    return FeatureDiscriminator(hidden, model_args.get("num_classes", 0), blocks, width=width)
 
 
 class AdversarialRegularised:
@@ -184,9 +172,8 @@ class AdversarialRegularised:
         if self.disc_backbone == "cnn":
             return x
         s = logit_normal(x.shape[0], self.disc_t_mean, self.disc_t_std, device=x.device)
-        x_s = LinearPath().sample(x.float(), torch.randn_like(x, dtype=torch.float32), s).x_t
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=x.is_cuda):
-            return teacher(x_s, s, None, y, features=unwrap(discriminator).feature_blocks)
+        eps = torch.randn_like(x, dtype=torch.float32)
+        return teacher_features(teacher, x, s, eps, y, unwrap(discriminator).feature_blocks)
 
     def loss(self, model, x, y=None, *, step=0, teacher, discriminator):
         if self.r1_gamma and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:

@@ -69,7 +69,16 @@ import math
 import torch
 from torch import nn
 
-from flm.objectives.guidance import check_cfg, check_interval, drop_labels, guided, in_interval, null_labels, num_classes
+from flm.objectives.guidance import (
+    check_cfg,
+    check_interval,
+    drop_labels,
+    guided,
+    in_interval,
+    null_labels,
+    num_classes,
+    unwrap,
+)
 from flm.objectives.jvp import check_jvp_mode, jvp
 from flm.objectives.checks import check_hf_weight, check_probability, check_std
 from flm.objectives.adversarial import AdversarialRegularised
@@ -77,7 +86,7 @@ from flm.objectives.dmd import DMDRegularised
 from flm.objectives.frequency import squared_error
 from flm.objectives.paths import LinearPath, bcast, logit_normal, time_grid
 from flm.objectives.protocol import NO_NETWORKS, Network
-from flm.objectives.teacher import load_teacher, teacher_velocity
+from flm.objectives.teacher import feature_blocks, load_teacher, teacher_features, teacher_velocity
 
 
 TANGENTS = ("sample", "model")
@@ -124,6 +133,12 @@ class MeanFlow(nn.Module):
         hf_weight_one_step: hf_weight for the one_step_frac samples (the one-step sampler's interval) alone; null:
             hf_weight. On MNIST the 2-step FID fell up to hf_weight 256 while the 1-step FID was best at 16-64
             (docs/quality.md, tenth day): one network, two samplers.
+        perceptual_weight: adds a perceptual term on the one_step_frac samples (needs a teacher): the distance of
+            their one-step sample z - u to its target z - sg(u_tgt) measured in the teacher's hidden states after
+            perceptual_blocks, both noised to perceptual_t with one noise (flm.objectives.teacher.teacher_features),
+            adaptive-weighted like the main term; 0: off.
+        perceptual_t: the noise level (flow-matching time) at which the teacher sees both images.
+        perceptual_blocks: the teacher's blocks (null: four evenly spaced ones, the last included).
         cfg_omega, cfg_kappa: guidance in training (paper eq. 19); 1.0 and 0.0 turn it off.
         label_dropout: probability of the null label (CFG training); classes read from the model.
         tangent: "sample" (v, the paper's) or "model" (sg(u(z_t, t, t)), see the module docstring).
@@ -163,6 +178,9 @@ class MeanFlow(nn.Module):
         adaptive_c: float = 1e-3,
         hf_weight: float = 0.0,
         hf_weight_one_step: float | None = None,
+        perceptual_weight: float = 0.0,
+        perceptual_t: float = 0.1,
+        perceptual_blocks=None,
         cfg_omega: float = 1.0,
         cfg_kappa: float = 0.0,
         label_dropout: float = 0.1,
@@ -262,6 +280,17 @@ class MeanFlow(nn.Module):
         self.target_ema_decay = split_ema if split_target == "ema" else None
         if teacher:
             self.networks = {"teacher": Network(build=functools.partial(load_teacher, teacher), model_init=True)}
+        if not (0 <= perceptual_weight < math.inf and 0 <= perceptual_t < 1):
+            raise ValueError(
+                f"perceptual_weight must be a finite weight >= 0 and perceptual_t a time in [0, 1), got "
+                f"{perceptual_weight!r} and {perceptual_t!r}"
+            )
+        if perceptual_weight and not (teacher and one_step_frac):
+            raise ValueError(
+                "perceptual_weight measures the one_step_frac samples in the teacher's features: it needs "
+                f"objective.teacher and objective.one_step_frac > 0, got teacher={teacher!r}, one_step_frac={one_step_frac!r}"
+            )
+        self.perceptual_weight, self.perceptual_t, self.perceptual_blocks = perceptual_weight, perceptual_t, perceptual_blocks
 
     def sample_times(self, n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         """(t, r) with t >= r: two logit-normal draws sorted; a fraction r_zero gets r = 0, and of the others
@@ -301,6 +330,10 @@ class MeanFlow(nn.Module):
 
     def errors(self, model, x, y=None, *, teacher=None, ema=None):
         """(t, r, u - sg(u_tgt)) of a batch: each sample's times and its error against the target (eq. 8), fp32."""
+        return self._errors(model, x, y, teacher=teacher, ema=ema)[:3]
+
+    def _errors(self, model, x, y=None, *, teacher=None, ema=None):
+        """errors' (t, r, u - sg(u_tgt)), then z_t and u."""
         y_in = drop_labels(model, y, self.label_dropout)
         t, r = self.sample_times(x.shape[0], x.device)
         s = self.path.sample(x, torch.randn_like(x), t)
@@ -310,7 +343,7 @@ class MeanFlow(nn.Module):
             u_tgt, u = self._eulerian_target(model, s, r, y, y_in, teacher)
         if self.split_above is not None:
             u_tgt = self._with_split_targets(model, s.x_t, t, r, y_in, u_tgt, teacher, ema)
-        return t, r, u.float() - u_tgt
+        return t, r, u.float() - u_tgt, s.x_t, u
 
     def _eulerian_target(self, model, s, r, y, y_in, teacher=None):
         """(sg(u_tgt), u) of the MeanFlow identity (eq. 8) at the path sample s; y are the labels before dropout."""
@@ -400,11 +433,32 @@ class MeanFlow(nn.Module):
         w[:k1] = self.hf_weight_one_step
         return w
 
+    def perceptual(self, teacher, z, u, err, y):
+        """Per one-step sample, the squared distance of its sample z - u to its target z - sg(u_tgt) = z - u + err in
+        the teacher's features (mean over tokens and channels, summed over the blocks); z, u, err of those samples."""
+        x_g = z.float() - u.float()  # t - r = 1
+        x_tgt = (x_g + err).detach()
+        s = torch.full((x_g.shape[0],), self.perceptual_t, device=x_g.device)  # a fill on the device: capturable
+        eps = torch.randn_like(x_g)
+        blocks = feature_blocks(len(unwrap(teacher).blocks), self.perceptual_blocks, "objective.perceptual_blocks")
+        with torch.no_grad():
+            f_tgt = teacher_features(teacher, x_tgt, s, eps, y, blocks)
+        f_g = teacher_features(teacher, x_g, s, eps, y, blocks)
+        return sum((a.float() - b.float()).square().flatten(1).mean(1) for a, b in zip(f_g, f_tgt))
+
     def loss(self, model, x, y=None, *, step: int = 0, teacher=None, ema=None):
-        _, _, err = self.errors(model, x, y, teacher=teacher, ema=ema)
-        sq = squared_error(err, self.hf_weights(x.shape[0], x.device))  # ||u - u_tgt||^2 per sample (pixel-scale part weighted)
+        n = x.shape[0]
+        _, _, err, z, u = self._errors(model, x, y, teacher=teacher, ema=ema)
+        sq = squared_error(err, self.hf_weights(n, x.device))  # ||u - u_tgt||^2 per sample (pixel-scale part weighted)
         loss = (self.adaptive_weight(sq) * sq).mean()
-        return loss, {"loss": loss.detach(), "mse": err.detach().square().mean()}
+        metrics = {"mse": err.detach().square().mean()}
+        k1 = round(self.one_step_frac * n)
+        if self.perceptual_weight and k1:
+            d = self.perceptual(teacher, z[:k1], u[:k1], err[:k1], None if y is None else y[:k1])
+            # over the batch's n like the main term: each one-step sample adds ~perceptual_weight
+            loss = loss + self.perceptual_weight * (self.adaptive_weight(d) * d).sum() / n
+            metrics["perceptual"] = d.detach().mean()
+        return loss, {"loss": loss.detach(), **metrics}
 
     def generate(self, model, x, y):
         """The one-step sampler on fresh noise (t = 1 to r = 0), with the model's gradient (the regularisers of

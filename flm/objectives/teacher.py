@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from flm.objectives.guidance import guided
-from flm.objectives.paths import bcast
+from flm.objectives.paths import LinearPath, bcast
 
 # the model_args that the student and its teacher must share, and how an error names them
 SHARED_ARGS = {
@@ -57,6 +57,29 @@ def teacher_velocity(teacher: nn.Module, x_s: torch.Tensor, s: torch.Tensor, y, 
     and in bf16 autocast on CUDA whatever the run's precision. A null label gets the unguided null velocity."""
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=x_s.is_cuda):
         return guided(teacher, x_s, s, None, y, cfg_scale).float()
+
+
+def teacher_features(teacher: nn.Module, x: torch.Tensor, s: torch.Tensor, eps: torch.Tensor, y, blocks) -> list:
+    """The teacher's hidden states (B, N, D) after `blocks` at x_s = (1 - s) x + s eps (its forward's `features=`), in
+    bf16 autocast on CUDA, with the gradient in x where x has one: the feature space of the adversarial heads and
+    the perceptual term (flm.objectives.adversarial, MeanFlow's perceptual_weight)."""
+    x_s = LinearPath().sample(x.float(), eps.float(), s).x_t
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=x.is_cuda):
+        return teacher(x_s, s, None, y, features=blocks)
+
+
+def feature_blocks(depth: int, blocks, option: str) -> tuple[int, ...]:
+    """The teacher's blocks to read: `blocks` checked against its depth, or by default four evenly spaced ones ending
+    with the last (2, 5, 8, 11 of 12); a ValueError naming `option` otherwise."""
+    if blocks is None:
+        return tuple(sorted({max(0, depth * i // 4 - 1) for i in (1, 2, 3, 4)}))
+    blocks = tuple(blocks)
+    if not blocks or any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < depth for i in blocks):
+        raise ValueError(
+            f"{option} must be block indices in [0, {depth}) of the teacher (a DiT of depth {depth}), "
+            f"got {list(blocks)}; or null for four evenly spaced ones"
+        )
+    return blocks
 
 
 def check_teacher(source: str, bundle: dict, student_args: dict) -> dict:

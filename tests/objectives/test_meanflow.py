@@ -372,7 +372,7 @@ def test_hf_weight_one_step_weighs_the_one_step_samples_alone(monkeypatch):
     assert objective.hf_weights(8, "cpu").tolist() == [16.0, 16.0] + [256.0] * 6
     assert MeanFlow(one_step_frac=0.25, hf_weight=4.0).hf_weights(8, "cpu") == 4.0
     err = torch.randn(8, 1, 6, 6, generator=torch.Generator().manual_seed(0))
-    monkeypatch.setattr(objective, "errors", lambda *a, **k: (None, None, err))
+    monkeypatch.setattr(objective, "_errors", lambda *a, **k: (None, None, err, None, None))
     loss, _ = objective.loss(None, torch.zeros(8, 1, 6, 6))
     per_sample = [squared_error(err[i : i + 1], 16.0 if i < 2 else 256.0) for i in range(8)]
     torch.testing.assert_close(loss, torch.cat(per_sample).mean())
@@ -387,5 +387,48 @@ def test_hf_weight_one_step_weighs_the_one_step_samples_alone(monkeypatch):
     ],
 )
 def test_hf_weight_one_step_config_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        MeanFlow(**kwargs)
+
+
+def test_the_perceptual_term_measures_the_one_step_samples_in_the_teachers_features():
+    kwargs = dict(teacher="unused", r_neq_t=1.0, label_dropout=0.0, one_step_frac=0.5, tangent="sample")
+    student, teacher = tiny_dit(time_inputs=2, seed=1), tiny_dit(seed=2).requires_grad_(False)
+    x, y = torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(0)), torch.tensor([0, 3, 7, 9])
+    objective = MeanFlow(perceptual_weight=0.7, perceptual_t=0.2, **kwargs)
+    torch.manual_seed(1)
+    loss, metrics = objective.loss(student, x, y, teacher=teacher)
+
+    # by hand, with the same draws: the MeanFlow term's, then one noise for the perceptual term
+    torch.manual_seed(1)
+    t, r, err, z, u = objective._errors(student, x, y, teacher=teacher)
+    assert torch.equal(t[:2], torch.ones(2)) and torch.equal(r[:2], torch.zeros(2))  # the one-step samples
+    eps = torch.randn(2, 3, 8, 8)
+    x_g = z[:2] - u[:2]
+    feats = [teacher(0.8 * im + 0.2 * eps, torch.full((2,), 0.2), None, y[:2], features=(0, 1)) for im in (x_g, x_g + err[:2])]
+    d = sum((a - b.detach()).square().flatten(1).mean(1) for a, b in zip(*feats))
+    sq = err.square().flatten(1).sum(1)
+    direct = (sq / (sq.detach() + 1e-3)).mean() + 0.7 * (d / (d.detach() + 1e-3)).sum() / 4
+    torch.testing.assert_close(loss, direct, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(metrics["perceptual"], d.detach().mean(), rtol=1e-5, atol=1e-7)
+    params = list(student.parameters())
+    for g, g_ref in zip(
+        torch.autograd.grad(loss, params, allow_unused=True), torch.autograd.grad(direct, params, allow_unused=True)
+    ):
+        if g_ref is not None:
+            torch.testing.assert_close(g, g_ref, rtol=1e-4, atol=1e-6)
+    assert all(p.grad is None for p in teacher.parameters())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"perceptual_weight": 1.0, "one_step_frac": 0.1}, "needs objective.teacher and objective.one_step_frac > 0"),
+        ({"perceptual_weight": 1.0, "teacher": "unused"}, "needs objective.teacher and objective.one_step_frac > 0"),
+        ({"perceptual_weight": -1.0}, "perceptual_weight must be a finite weight >= 0"),
+        ({"perceptual_t": 1.0}, r"perceptual_t a time in \[0, 1\)"),
+    ],
+)
+def test_perceptual_config_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
         MeanFlow(**kwargs)

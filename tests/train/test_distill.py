@@ -73,6 +73,7 @@ def test_the_teacher_stays_frozen_and_the_student_starts_from_it(tmp_path, teach
         ("scd", []),
         ("rcm", []),
         ("meanflow_distill", []),
+        ("meanflow_distill", ["objective.one_step_frac=0.25", "objective.perceptual_weight=1.0"]),
         ("meanflow_dmd", ["objective.fake_updates=0"]),
         ("meanflow_gan", ["objective.disc_width=8"]),
         ("meanflow_gan", ["objective.disc_backbone=teacher", "objective.r1_gamma=0", "objective.disc_width=8"]),
