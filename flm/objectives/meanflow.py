@@ -303,7 +303,7 @@ class MeanFlow(nn.Module):
         if self.r_zero:  # no extra draw at 0: the paper's proposal keeps its random stream
             r = torch.where(torch.rand(n, device=device) < self.r_zero, torch.zeros_like(r), r)
         # fixed counts: static shapes, and the random stream is unchanged
-        k1, k2 = round(self.one_step_frac * n), round(self.two_step_frac * n)
+        k1, k2 = self.one_step_count(n), round(self.two_step_frac * n)
         if k1 or k2:
             t, r = t.clone(), r.clone()
             t[:k1], r[:k1] = 1.0, 0.0
@@ -423,10 +423,14 @@ class MeanFlow(nn.Module):
         """sg(w) = 1 / (||u - u_tgt||^2 + c)^p per sample (section 4.3), from sq = ||u - u_tgt||^2."""
         return (sq.detach() + self.adaptive_c).pow(-self.adaptive_p)
 
+    def one_step_count(self, n: int) -> int:
+        """How many of a batch of n are the one-step sampler's interval (0, 1): its first ones (sample_times)."""
+        return round(self.one_step_frac * n)
+
     def hf_weights(self, n: int, device) -> float | torch.Tensor:
-        """squared_error's hf_weight for a batch of n: hf_weight_one_step on its first round(one_step_frac n) samples
-        (sample_times puts the interval (0, 1) there), hf_weight on the others; a number when they are alike."""
-        k1 = round(self.one_step_frac * n)
+        """squared_error's hf_weight for a batch of n: hf_weight_one_step on its one-step samples, hf_weight on the
+        others; a number when they are alike."""
+        k1 = self.one_step_count(n)
         if self.hf_weight_one_step is None or not k1:
             return self.hf_weight
         w = torch.full((n,), float(self.hf_weight), device=device)  # a fill on the device: capturable
@@ -452,7 +456,7 @@ class MeanFlow(nn.Module):
         sq = squared_error(err, self.hf_weights(n, x.device))  # ||u - u_tgt||^2 per sample (pixel-scale part weighted)
         loss = (self.adaptive_weight(sq) * sq).mean()
         metrics = {"mse": err.detach().square().mean()}
-        k1 = round(self.one_step_frac * n)
+        k1 = self.one_step_count(n)
         if self.perceptual_weight and k1:
             d = self.perceptual(teacher, z[:k1], u[:k1], err[:k1], None if y is None else y[:k1])
             # over the batch's n like the main term: each one-step sample adds ~perceptual_weight
