@@ -112,6 +112,18 @@ def test_train_step_runs_the_distillation_rows(capsys):
     assert all(float(row.split("|")[7]) > 0 for row in rows)
 
 
+def test_host_time_times_every_layer_and_step(capsys):
+    load("host_time").main(["--depth", "2", "--calls", "5", "--steps", "2", "--repeats", "1"])
+    rows = [line.split("|") for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "---" not in line]
+    layers = {r[1].strip(): (float(r[2]), float(r[3])) for r in rows if r[2].strip().replace(".", "").isdigit()}
+    assert set(layers) == {"linear", "layer_norm", "gelu_tanh", "gated residual", "attention (math)"}
+    steps = {r[1].strip(): float(r[3]) for r in rows if r[2].strip() == "math"}
+    assert list(steps) == ["flow_matching", "meanflow", "scm"]
+    assert all(min(v) > 0 for v in layers.values()) and min(steps.values()) > 0
+    with pytest.raises(SystemExit, match="--device cuda"):
+        load("host_time").main(["--backends", "triton_jvp"])
+
+
 def test_latent_run_times_prepare_and_train_on_the_cpu(tmp_path):
     pytest.importorskip("diffusers", reason="the latent pipeline needs the latent extra")
     result = load("latent_run").main(["--tiny", "--work", str(tmp_path), "--out", str(tmp_path / "result.md")])

@@ -140,3 +140,33 @@ def test_joins_and_scaled_keep_the_primal_and_tangent_of_the_plain_ops():
         for fast, plain in ((d + joined, d + b), (fnn.scaled(d, 0.3), d * 0.3)):
             got, want = forward_ad.unpack_dual(fast), forward_ad.unpack_dual(plain)
             assert torch.equal(got.primal, want.primal) and torch.equal(got.tangent, want.tangent)
+
+
+def test_signed_binds_like_inspect():
+    """signed's fast binding (positional arguments that fill the signature) gives what inspect's binding gives, and
+    any other call binds, or fails, as inspect does."""
+    import inspect
+
+    @fnn.signed
+    class F(torch.autograd.Function):
+        @staticmethod
+        def forward(x, scale, shift=0.0):
+            return x * scale + shift
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            pass
+
+        @staticmethod
+        def backward(ctx, gy):
+            return gy, None, None
+
+    sig, plain = inspect.signature(F.forward), inspect.Signature(list(inspect.signature(F.forward).parameters.values()))
+    x = torch.ones(2)
+    for args, kwargs in [((x, 2.0, 1.0), {}), ((x, 2.0), {}), ((x,), {"scale": 3.0})]:
+        fast, ref = sig.bind(*args, **kwargs), plain.bind(*args, **kwargs)
+        fast.apply_defaults(), ref.apply_defaults()
+        assert (fast.args, fast.kwargs) == (ref.args, ref.kwargs)
+    with pytest.raises(TypeError):
+        sig.bind(x, 1.0, 2.0, 3.0)
+    assert torch.equal(F.apply(x, 2.0), x * 2) and torch.equal(F.apply(x, 2.0, 1.0), x * 2 + 1)
