@@ -17,6 +17,8 @@ against the MNIST test digits, and the digit classifier's label accuracy.
 
 Distillation runs name their teacher's run folder, which an earlier run of the same call trained:
     --runs fm:flow_matching:3500 scd:scd:51s:objective.teacher=/tmp/flm-quality/fm
+When the table holds the teacher's run, a student's row also gives its GPU time with the teacher's: the whole
+teacher-then-student pipeline, to set against one objective trained from scratch for the same time.
 
 Single runs at this budget move by ~25 % in 1-step FID from changes that should not matter (docs/quality.md,
 sixth day), so `--seeds 0 1 2` trains each run once per seed (NAME_s<seed>, `trainer.seed=<seed>`) and the report
@@ -219,9 +221,9 @@ def report(results: dict, path: str) -> None:
     ]
     lines += [
         "",
-        "| run | objective | overrides | training steps | ms/step | GPU s | weights | sampler steps | FID "
-        "| label accuracy | FID / best FM 50-step | flow-map error |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| run | objective | overrides | training steps | ms/step | GPU s | GPU s with teacher | weights | sampler steps "
+        "| FID | label accuracy | FID / best FM 50-step | flow-map error |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     # the ratio's baseline is the best 50-step flow-matching FID in the table (the strictest comparison)
     fm = [
@@ -233,6 +235,8 @@ def report(results: dict, path: str) -> None:
     ]
     base = min(fm, default=None)
     for r in results.values():
+        teacher = teacher_run(r, results)
+        with_teacher = f"{r['gpu_s'] + teacher['gpu_s']:.0f}" if teacher else "-"
         for weights, report in evaluations(r).items():
             found = report["results"]
             for k in SAMPLER_STEPS[r["objective"]]:
@@ -243,12 +247,21 @@ def report(results: dict, path: str) -> None:
                 fme = "-" if fme is None else f"{fme:.5f}"
                 lines.append(
                     f"| {r['name']} | {r['objective']} | {' '.join(r['overrides']) or '-'} | {r['train_steps']} | "
-                    f"{r['step_ms']:.1f} | {r['gpu_s']:.0f} | {weights} | {k} | {fid:.2f} | {acc} | {ratio} | {fme} |"
+                    f"{r['step_ms']:.1f} | {r['gpu_s']:.0f} | {with_teacher} | {weights} | {k} | {fid:.2f} | {acc} | {ratio} | {fme} |"
                 )
     lines += seed_table(results)
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+def teacher_run(r: dict, results: dict) -> dict | None:
+    """The entry of the run that a distilled run names as objective.teacher (by its folder's name), if the table holds
+    it: a student's GPU time plus its teacher's is the whole pipeline's, to set against one run trained from scratch."""
+    for o in r["overrides"]:
+        if o.startswith("objective.teacher="):
+            return results.get(os.path.basename(os.path.normpath(o.split("=", 1)[1])))
+    return None
 
 
 def seed_table(results: dict) -> list[str]:
