@@ -55,16 +55,21 @@ def _flat_grads(params):
         # the MNIST student's options: split target, the samplers' intervals, the high-pass term (no host tensors)
         ("meanflow", "dual", {"split_above": 0.5, "one_step_frac": 0.125, "two_step_frac": 0.25, "hf_weight": 16.0}),
         ("meanflow", "dual", {"one_step_frac": 0.125, "hf_weight": 256.0, "hf_weight_one_step": 16.0}),
+        # a teacher's velocity, and the perceptual term through its features (it diverged graphed on the H200)
+        ("meanflow", "dual", {"teacher": "unused", "one_step_frac": 0.25, "perceptual_weight": 1.0}),
     ],
 )
 def test_graph_replay_matches_the_eager_step(objective_name, mode, options):
     objective = build_objective(objective_name, jvp_mode=mode, **options).cuda()
     model = tiny_dit(attention="triton_jvp", time_inputs=objective.time_inputs, input_size=16, channels=4).cuda()
     params = list(model.parameters()) + list(objective.parameters())
+    teacher = {}
+    if "teacher" in options:
+        teacher["teacher"] = tiny_dit(attention="triton_jvp", input_size=16, channels=4, seed=3).cuda().requires_grad_(False)
 
     def loss_and_backward(x, y):
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss, metrics = objective.loss(model, x, y, step=10**6)
+            loss, metrics = objective.loss(model, x, y, step=10**6, **teacher)
         loss.backward()
         return loss, metrics
 
