@@ -48,8 +48,9 @@ def _sum_to(g: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 class _PositionalSignature(inspect.Signature):
     """A forward's signature whose `bind` of exactly its positional arguments skips inspect's general binding: the
-    call Function.apply makes on every use (torch 2.14), which costs ~25 us of host time per layer call on the CPU.
-    Any other call (keywords, missing or extra arguments) binds as inspect does, errors included."""
+    call Function.apply makes on every use (torch 2.14): 3-4 us of host time less per layer call on the CPU
+    (benchmarks/host_time.py). Any other call (keywords, missing or extra arguments) binds as inspect does, errors
+    included."""
 
     __slots__ = ()
 
@@ -63,10 +64,13 @@ class _Bound:
     """What Signature.bind returns, for positional arguments that fill every parameter: no defaults to apply."""
 
     __slots__ = ("args",)
-    kwargs = {}  # noqa: RUF012 (never mutated: read by the caller)
 
     def __init__(self, args):
         self.args = args
+
+    @property
+    def kwargs(self):
+        return {}
 
     def apply_defaults(self):
         pass
