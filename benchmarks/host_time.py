@@ -107,6 +107,8 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=5)
     args = p.parse_args(argv)
     device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("error: --device cuda, but this machine has no CUDA GPU; leave --device at cpu")
     if "triton_jvp" in args.backends and device.type != "cuda":
         raise SystemExit("error: --backends triton_jvp times the GPU launch path: pass --device cuda")
     sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None

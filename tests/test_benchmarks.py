@@ -126,6 +126,9 @@ def test_host_time_times_every_layer_and_step(capsys):
     assert all(min(v) > 0 for v in layers.values()) and min(steps.values()) > 0
     with pytest.raises(SystemExit, match="--device cuda"):
         load("host_time").main(["--backends", "triton_jvp"])
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="no CUDA GPU"):
+            load("host_time").main(["--device", "cuda"])
 
 
 def test_latent_run_times_prepare_and_train_on_the_cpu(tmp_path):
