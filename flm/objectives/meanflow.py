@@ -133,10 +133,11 @@ class MeanFlow(nn.Module):
         hf_weight_one_step: hf_weight for the one_step_frac samples (the one-step sampler's interval) alone; null:
             hf_weight. On MNIST the 2-step FID fell up to hf_weight 256 while the 1-step FID was best at 16-64
             (docs/quality.md, tenth day): one network, two samplers.
-        perceptual_weight: adds a perceptual term on the one_step_frac samples (needs a teacher): the distance of
+        perceptual_weight: a perceptual part of the one_step_frac samples' error (needs a teacher): the distance of
             their one-step sample z - u to its target z - sg(u_tgt) measured in the teacher's hidden states after
             perceptual_blocks, both noised to perceptual_t with one noise (flm.objectives.teacher.teacher_features),
-            adaptive-weighted like the main term; 0: off.
+            added to the sample's squared error times perceptual_weight, under the one adaptive weight; 0: off. (As
+            a term of its own, adaptive-weighted apart, it diverged at lr 8e-4: docs/quality.md, eleventh day.)
         perceptual_t: the noise level (flow-matching time) at which the teacher sees both images.
         perceptual_blocks: the teacher's blocks (null: four evenly spaced ones, the last included).
         cfg_omega, cfg_kappa: guidance in training (paper eq. 19); 1.0 and 0.0 turn it off.
@@ -454,14 +455,15 @@ class MeanFlow(nn.Module):
         n = x.shape[0]
         _, _, err, z, u = self._errors(model, x, y, teacher=teacher, ema=ema)
         sq = squared_error(err, self.hf_weights(n, x.device))  # ||u - u_tgt||^2 per sample (pixel-scale part weighted)
-        loss = (self.adaptive_weight(sq) * sq).mean()
         metrics = {"mse": err.detach().square().mean()}
         k1 = self.one_step_count(n)
         if self.perceptual_weight and k1:
             d = self.perceptual(teacher, z[:k1], u[:k1], err[:k1], None if y is None else y[:k1])
-            # over the batch's n like the main term: each one-step sample adds ~perceptual_weight
-            loss = loss + self.perceptual_weight * (self.adaptive_weight(d) * d).sum() / n
+            # a part of the one-step samples' error, so that the adaptive weight bounds the sum's gradient as it
+            # does the pixel error's; a term weighted apart, sg(1 / d) d, let grad log d drive the step
+            sq = torch.cat([sq[:k1] + self.perceptual_weight * d, sq[k1:]])
             metrics["perceptual"] = d.detach().mean()
+        loss = (self.adaptive_weight(sq) * sq).mean()
         return loss, {"loss": loss.detach(), **metrics}
 
     def generate(self, model, x, y):
