@@ -9,8 +9,9 @@ Protocol (docs/quality.md): MNIST 28 x 28, the `experiment=mnist_<objective>` pr
 batch 256) with `attention=triton_jvp trainer.cuda_graph=true`, each trained for the same GPU time.
 A run is NAME:OBJECTIVE:STEPS[:override,override...]. STEPS=auto first trains `--probe-steps` steps,
 which gives the objective's steady ms/step, then resumes the run (bit-exactly) up to
-budget / (ms/step) steps; STEPS=<seconds>s (e.g. 51s) does the same with its own budget (a distilled
-student's: a quarter of its teacher's GPU time); a number trains that many steps (cheaper when the step
+budget / (ms/step) steps, the budget being `--budget-s`, or a quarter of it for a distilled student (issue
+14's rule: a student gets at most a quarter of its teacher's GPU time); STEPS=<seconds>s (e.g. 51s) does the same
+with its own budget; a number trains that many steps (cheaper when the step
 cost is known), and the table reports steps x measured ms/step as the GPU time either way. Then `--n`
 samples from each of `--weights` (the run's first EMA, an EMA by decay such as ema0.99, or raw): FID
 against the MNIST test digits, and the digit classifier's label accuracy.
@@ -81,6 +82,13 @@ def steady_step_ms(run_dir: str) -> float:
     return statistics.median(r["step_ms"] for r in rows[1:])
 
 
+def budget_seconds(steps: str, objective: str, budget_s: float) -> float:
+    """GPU seconds of training for STEPS=auto or <seconds>s: a distilled student's auto is a quarter of the budget."""
+    if steps == "auto":
+        return budget_s / 4 if objective in DISTILLED else budget_s
+    return float(steps[:-1])
+
+
 def seeded(spec: str, seed: int) -> str:
     """The run spec for one seed: NAME_s<seed>, trainer.seed=<seed> added to its overrides."""
     name, objective, steps, *rest = spec.split(":", 3)
@@ -109,7 +117,7 @@ def run_objective(spec: str, args, group: str | None = None) -> dict:
         train.append(f"trainer.cuda_graph={str(args.cuda_graph).lower()}")
     start = time.time()
     if steps == "auto" or steps.endswith("s"):
-        budget_s = args.budget_s if steps == "auto" else float(steps[:-1])
+        budget_s = budget_seconds(steps, objective, args.budget_s)
         probe = args.probe_steps if steps == "auto" else min(args.probe_steps, 100)
         sh(train + [f"trainer.max_steps={probe}"], log)
         steps = max(probe, int(round(budget_s * 1000 / steady_step_ms(run_dir) / 10)) * 10)

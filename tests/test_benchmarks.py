@@ -37,6 +37,14 @@ def test_weights_options():
         quality.weights_options("best")
 
 
+def test_a_distilled_students_auto_budget_is_a_quarter_of_its_teachers():
+    quality = load("quality")
+    assert quality.budget_seconds("auto", "flow_matching", 200.0) == 200.0
+    assert quality.budget_seconds("auto", "scd", 200.0) == 50.0
+    assert quality.budget_seconds("auto", "meanflow_distill", 200.0) == 50.0
+    assert quality.budget_seconds("80s", "scd", 200.0) == 80.0  # an explicit budget is the run's own choice
+
+
 def entry(name, objective, fids):
     results = {f"fid_steps{k}": v for k, v in fids.items()}
     return {
