@@ -168,8 +168,9 @@ class SCM(nn.Module):
         keep = bcast((y == null) | ~in_interval(t, self.cfg_interval), v)
         return torch.where(keep, dx_t, v)
 
-    def consistency_loss(self, model, x_t, t, dx_t, y, step):
-        """Algorithm 1's loss at (x_t, t) with dx_t/dt = dx_t: the data's (sCT) or a teacher's (sCD)."""
+    def consistency_loss(self, model, x_t, t, dx_t, y, step, target=None):
+        """Algorithm 1's loss at (x_t, t) with dx_t/dt = dx_t: the data's (sCT) or a teacher's (sCD). target: F's
+        explicit target for the batch's first len(target) samples (sCD's one_step_frac), in place of F- + g."""
         sigma_d = self.sigma_d
         cos_t, sin_t = bcast(torch.cos(t), x_t), bcast(torch.sin(t), x_t)
 
@@ -186,11 +187,16 @@ class SCM(nn.Module):
         g = g / bcast(g_norm + self.tangent_c, g)
 
         err = F.float() - F_minus - g
+        metrics = {}
+        if target is not None:
+            k = len(target)
+            err = torch.cat([F[:k].float() - target, err[k:]])
+            metrics["one_step_mse"] = err[:k].detach().square().mean()
         sq = squared_error(err, self.hf_weight) / err[0].numel()  # ||.||^2 / D per sample (pixel-scale part weighted)
         logvar = self.logvar(t)
         loss = (torch.exp(-logvar) * sq + logvar).mean()
         mse = err.detach().square().mean()
-        return loss, {"loss": loss.detach(), "mse": mse, "tangent_norm": g_norm.detach().mean()}
+        return loss, {"loss": loss.detach(), "mse": mse, "tangent_norm": g_norm.detach().mean(), **metrics}
 
     def consistency_fn(self, model, x_t, t, y, cfg_scale: float = 1.0):
         """f(x_t, t) = cos(t) x_t - sin(t) sigma_d F(x_t / sigma_d, t), t a python float."""

@@ -17,6 +17,19 @@ sin(t) x; the teacher's velocity carries its classifier-free guidance (teacher_c
 student thereby learns to produce at cfg_scale = 1. Labels dropped to the null class get the unguided
 null velocity.
 
+The 1-step sampler's own time (`one_step_frac`, off by default): sCD's proposal almost never draws t near t_max,
+where the 1-step sampler starts, and there sCM's tangent g carries the factor cos t (~0.006 at t_max), so the
+continuous loss hardly trains the map the 1-step FID comes from. A fixed share of each batch (its first samples) takes
+t = t_max and an explicit target instead, a long-jump consistency distillation step: the teacher's ODE from x_t down
+to s (`one_step_mid`, default the 2-step sampler's intermediate time) in `teacher_steps` Euler steps of its
+flow-matching velocity (uniform in flow-matching time; an Euler step there is DDIM's step in TrigFlow,
+x_s = cos(t - s) x_t - sin(t - s) dx_t/dt), then the student's own consistency function there, without gradient:
+
+    f(x_t, t_max) -> sg(f(x_s, s)),   i.e. F -> F_tgt = (cos t x_t - sg(f(x_s, s))) / (sin t sigma_d)
+
+under the same adaptive weight exp(-logvar(t)). It costs teacher_steps - 1 teacher forwards and one student forward
+on those samples (the first teacher step reuses dx_t/dt).
+
 rCM: sCD's loss plus dmd_weight times DMD's score regulariser on the student's one-step samples
 x_g = f(sigma_d eps, t_max), with a fake-score network trained online on them (flm.objectives.dmd, which
 MeanFlow's student shares: flm.objectives.meanflow.MeanFlowDMD).
@@ -28,11 +41,13 @@ MeanFlow's student shares: flm.objectives.meanflow.MeanFlowDMD).
 """
 
 import functools
+import math
 
 import torch
 
 from flm.objectives.consistency import SCM
 from flm.objectives.dmd import DMDRegularised
+from flm.objectives.checks import check_probability
 from flm.objectives.guidance import drop_labels, guided
 from flm.objectives.paths import lognormal_trigflow
 from flm.objectives.protocol import Network
@@ -52,11 +67,32 @@ class SCD(SCM):
         teacher: a flow-matching run folder (its latest checkpoint) or checkpoint file; read when
             training starts, never by sample.py or evaluate.py.
         teacher_cfg_scale: the teacher's classifier-free guidance baked into the student (1.0: none).
+        one_step_frac: this fraction of each batch (a fixed count, its first samples) takes t = t_max, the 1-step
+            sampler's time, and the long-jump target of the module docstring; 0 (the default) is sCD's loss.
+        one_step_mid: the time s the teacher's ODE runs down to for that target; None: mid_t[0], the 2-step
+            sampler's intermediate time.
+        teacher_steps: Euler steps of the teacher from t_max down to one_step_mid.
         **kwargs: SCM's (sigma_d, p_mean, p_std, tangent_c, warmup_steps, ...).
     """
 
-    def __init__(self, *, teacher: str, teacher_cfg_scale: float = 1.0, **kwargs):
+    def __init__(
+        self,
+        *,
+        teacher: str,
+        teacher_cfg_scale: float = 1.0,
+        one_step_frac: float = 0.0,
+        one_step_mid: float | None = None,
+        teacher_steps: int = 8,
+        **kwargs,
+    ):
         super().__init__(**kwargs)
+        check_probability("one_step_frac", one_step_frac)
+        mid = (self.mid_t[0] if self.mid_t else 1.1) if one_step_mid is None else float(one_step_mid)
+        if not 0 < mid < self.t_max:
+            raise ValueError(f"one_step_mid must lie in (0, t_max={self.t_max:.4f}), got {one_step_mid!r}")
+        if not (isinstance(teacher_steps, int) and teacher_steps >= 1):
+            raise ValueError(f"teacher_steps must be an int >= 1 (Euler steps of the teacher), got {teacher_steps!r}")
+        self.one_step_frac, self.one_step_mid, self.teacher_steps = float(one_step_frac), mid, teacher_steps
         if self.cfg_omega != 1.0:
             raise ValueError(
                 "a teacher's guidance (objective.teacher_cfg_scale) replaces guidance in training; keep "
@@ -86,8 +122,30 @@ class SCD(SCM):
     def loss(self, model, x, y=None, *, step=0, teacher):
         y = drop_labels(model, y, self.label_dropout)
         t = lognormal_trigflow(x.shape[0], self.p_mean, self.p_std, self.sigma_d, device=x.device)
+        k = round(self.one_step_frac * len(t))
+        if k:
+            t = torch.cat([t.new_full((k,), self.t_max), t[k:]])
         x_t = self.path.sample(x, torch.randn_like(x), t).x_t
-        return self.consistency_loss(model, x_t, t, self.teacher_dxdt(teacher, x_t, t, y), y, step)
+        dx_t = self.teacher_dxdt(teacher, x_t, t, y)
+        target = self.one_step_target(model, teacher, x_t[:k], dx_t[:k], None if y is None else y[:k]) if k else None
+        return self.consistency_loss(model, x_t, t, dx_t, y, step, target=target)
+
+    def one_step_times(self) -> list[float]:
+        """TrigFlow times t_max, ..., one_step_mid of the teacher's Euler steps, uniform in flow-matching time."""
+        ends = flow_time(torch.tensor([self.t_max, self.one_step_mid], dtype=torch.float64), self.sigma_d)
+        s = torch.linspace(ends[0].item(), ends[1].item(), self.teacher_steps + 1, dtype=torch.float64)
+        return torch.atan(s / (self.sigma_d * (1 - s))).tolist()  # tan t = s / (sigma_d (1 - s)) inverts flow_time
+
+    @torch.no_grad()
+    def one_step_target(self, model, teacher, x_t, dx_t, y):
+        """F_tgt of the samples at t_max: the teacher's ODE to one_step_mid, then the student's f there (module docstring)."""
+        times = self.one_step_times()
+        x = x_t.float()
+        for i, (t, s) in enumerate(zip(times[:-1], times[1:])):
+            v = dx_t if i == 0 else self.teacher_dxdt(teacher, x, torch.full((len(x),), t, device=x.device), y)
+            x = math.cos(t - s) * x - math.sin(t - s) * v.float()
+        f_mid = self.consistency_fn(model, x, times[-1], y)
+        return (math.cos(self.t_max) * x_t.float() - f_mid) / (math.sin(self.t_max) * self.sigma_d)
 
 
 class RCM(DMDRegularised, SCD):

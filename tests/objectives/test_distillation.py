@@ -56,8 +56,8 @@ def test_scd_from_an_exact_teacher_has_a_zero_target_at_the_start():
     assert metrics["mse"] < 1e-10 and metrics["tangent_norm"] < 1e-5
 
 
-def _student_step(name, backend, mode, plain=False):
-    kwargs = {"teacher": "unused", "jvp_mode": mode, "teacher_cfg_scale": 1.5}
+def _student_step(name, backend, mode, plain=False, **options):
+    kwargs = {"teacher": "unused", "jvp_mode": mode, "teacher_cfg_scale": 1.5, **options}
     kwargs |= {"r_neq_t": 1.0, "label_dropout": 0.0} if name.startswith("meanflow") else {"warmup_steps": 4}
     objective = build_objective(name, **kwargs)
     student = with_backend(tiny_dit(time_inputs=objective.time_inputs, seed=1), backend)
@@ -77,12 +77,15 @@ def _student_step(name, backend, mode, plain=False):
     return loss.detach(), torch.autograd.grad(loss, params, allow_unused=True)
 
 
-@pytest.mark.parametrize("name", ["scd", "rcm", "meanflow_dmd", "meanflow_gan"])
-def test_student_gradients_agree_across_jvp_modes_and_the_fused_attention(name):
-    loss_ref, grads_ref = _student_step(name, "math", "two_pass", plain=True)
+@pytest.mark.parametrize(
+    "name, options",
+    [("scd", {}), ("scd", {"one_step_frac": 0.5, "teacher_steps": 2}), ("rcm", {}), ("meanflow_dmd", {}), ("meanflow_gan", {})],
+)
+def test_student_gradients_agree_across_jvp_modes_and_the_fused_attention(name, options):
+    loss_ref, grads_ref = _student_step(name, "math", "two_pass", plain=True, **options)
     assert sum(g.norm() for g in grads_ref if g is not None) > 1e-2
     for backend, mode in SETUPS:
-        loss, grads = _student_step(name, backend, mode)
+        loss, grads = _student_step(name, backend, mode, **options)
         torch.testing.assert_close(loss, loss_ref, rtol=1e-4, atol=1e-6)
         for g, g_ref in zip(grads, grads_ref):
             assert (g is None) == (g_ref is None)
@@ -192,3 +195,51 @@ def test_meanflow_refuses_a_teacher_with_guidance_in_training():
 def test_scd_refuses_guidance_in_training(distilled):
     with pytest.raises(ValueError, match="replaces guidance in training"):
         distilled(teacher="t", cfg_omega=2.0)
+
+
+def test_the_one_step_target_is_the_teachers_flow_matching_euler_solution_then_the_students_f():
+    """sCD's one_step_frac target, computed independently: Euler steps of the teacher's velocity in flow-matching
+    coordinates (x_s = x_t / c(t), uniform in s) down to one_step_mid, back to TrigFlow, the student's f there."""
+    scd = SCD(teacher="unused", one_step_frac=0.5, one_step_mid=0.8, teacher_steps=3)
+    student, teacher = tiny_dit(seed=1), tiny_dit(seed=2)
+    x_t, y = scd.sigma_d * torch.randn(2, 3, 8, 8), torch.tensor([1, 4])
+    c = lambda t: math.cos(t) + scd.sigma_d * math.sin(t)  # noqa: E731
+    s_grid = torch.linspace(flow_time(torch.tensor(scd.t_max), 0.5).item(), flow_time(torch.tensor(0.8), 0.5).item(), 4)
+    x = x_t / c(scd.t_max)
+    with torch.no_grad():
+        for s, s_next in zip(s_grid[:-1], s_grid[1:]):
+            x = x + (s_next - s) * teacher(x, s.expand(2), None, y)
+        f_mid = scd.consistency_fn(student, c(0.8) * x, 0.8, y)
+        dx_t = scd.teacher_dxdt(teacher, x_t, torch.full((2,), scd.t_max), y)
+        target = scd.one_step_target(student, teacher, x_t, dx_t, y)
+    assert scd.one_step_times()[0] == pytest.approx(scd.t_max) and scd.one_step_times()[-1] == pytest.approx(0.8)
+    expected = (math.cos(scd.t_max) * x_t - f_mid) / (math.sin(scd.t_max) * scd.sigma_d)
+    torch.testing.assert_close(target, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_the_one_step_share_takes_t_max_and_its_target_in_the_loss():
+    """The batch's first one_step_frac samples are at t_max; their error is F - F_tgt, logged as one_step_mse."""
+    scd = SCD(teacher="unused", one_step_frac=0.5, warmup_steps=0)
+    student, teacher = tiny_dit(seed=1), tiny_dit(seed=2)
+    x, y = torch.randn(4, 3, 8, 8), torch.tensor([0, 1, 2, 3])
+    times = []
+    scd.logvar.register_forward_hook(lambda module, args, out: times.append(args[0].clone()))
+    torch.manual_seed(0)
+    loss, metrics = scd.loss(student, x, y, step=5, teacher=teacher)
+    assert torch.equal(times[0][:2], torch.full((2,), scd.t_max)) and (times[0][2:] < scd.t_max).all()
+    assert metrics["one_step_mse"] > 0 and torch.isfinite(loss)
+    loss.backward()
+    assert all(p.grad is not None for p in student.parameters() if p.requires_grad)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"one_step_frac": 1.5}, "one_step_frac must be a probability"),
+        ({"one_step_mid": 2.0}, "one_step_mid must lie in"),
+        ({"teacher_steps": 0}, "teacher_steps must be an int >= 1"),
+    ],
+)
+def test_bad_one_step_options_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SCD(teacher="t", **kwargs)
