@@ -91,7 +91,7 @@ from flm.objectives.teacher import feature_blocks, load_teacher, teacher_feature
 
 TANGENTS = ("sample", "model")
 IDENTITIES = ("eulerian", "lagrangian")
-SPLIT_TARGETS = ("student", "ema", "teacher")
+SPLIT_TARGETS = ("student", "ema", "teacher", "teacher_student")
 SPLIT_POINTS = ("mid", "uniform")
 
 
@@ -107,13 +107,15 @@ class MeanFlow(nn.Module):
             forwards keeps the step's cost and shapes fixed (CUDA graphs); longer intervals beyond that number
             keep the identity's target.
         split_target: what those intervals take: "student" (two half jumps of the model), "ema" (two half
-            jumps of the model's EMA at decay split_ema) or "teacher" (the teacher's Euler solution over the
-            interval; needs a teacher).
+            jumps of the model's EMA at decay split_ema), "teacher" (the teacher's Euler solution over the
+            interval; needs a teacher) or "teacher_student" (the teacher's Euler steps over the first jump, t -> s,
+            the model's own jump s -> r: the recipe of sCD's one_step_frac; needs a teacher).
         split_ema: the EMA decay whose weights make the split target for split_target="ema"; the run must keep
             that EMA (trainer.ema_decays).
         split_point: where the two half jumps meet: "mid" (s = (t + r) / 2) or "uniform" (s uniform in (r, t) per
             sample, the jumps weighted by their lengths).
-        teacher_steps: Euler steps of the teacher over an interval for split_target="teacher".
+        teacher_steps: Euler steps of the teacher over an interval (split_target="teacher") or over the first
+            jump (split_target="teacher_student").
         r_zero: fraction of samples with r = 0, drawn before r_neq_t applies: the interval [0, t] of a
             consistency model, whose t = 1 end is the 1-step sampler's. Two logit-normal draws rarely span
             it (t - r >= 0.7 for ~1 % of samples, docs/quality.md); 0 is the paper's proposal.
@@ -262,9 +264,9 @@ class MeanFlow(nn.Module):
         self.cfg_interval = check_interval(cfg_interval)
         if split_target not in SPLIT_TARGETS:
             raise ValueError(f"unknown split_target {split_target!r}; valid split targets: {', '.join(SPLIT_TARGETS)}")
-        if split_target == "teacher" and not (teacher and split_above is not None):
+        if split_target.startswith("teacher") and not (teacher and split_above is not None):
             raise ValueError(
-                "split_target=teacher needs objective.teacher (a flow-matching run folder or .pt) and "
+                f"split_target={split_target} needs objective.teacher (a flow-matching run folder or .pt) and "
                 f"objective.split_above (which intervals take it), got teacher={teacher!r}, split_above={split_above!r}"
             )
         if isinstance(teacher_steps, bool) or not isinstance(teacher_steps, int) or teacher_steps < 1:
@@ -388,6 +390,7 @@ class MeanFlow(nn.Module):
             "student": (self._split_target, model),
             "ema": (self._split_target, ema),
             "teacher": (self._teacher_target, teacher),
+            "teacher_student": (self._teacher_student_target, (teacher, model)),
         }[self.split_target]
         split = target(net, z[i], t[i], r[i], None if y is None else y[i])
         u_tgt = u_tgt.clone()
@@ -398,12 +401,27 @@ class MeanFlow(nn.Module):
     def _split_target(self, model, z, t, r, y):
         """((t - s) u(z_t, s, t) + (s - r) u(z_s, r, s)) / (t - r): the average velocity over [r, t] from two jumps
         that meet at s (split_point)."""
+        lam, s = self._split_point(t, r)
+        return self._two_jumps(model(z, t, s, y).float(), model, z, t, s, r, y, lam)
+
+    @torch.no_grad()
+    def _teacher_student_target(self, nets, z, t, r, y):
+        """The split target with the teacher's teacher_steps Euler steps for the first jump, t -> s, and the
+        student's own jump s -> r: the recipe of sCD's one_step_frac (flm.objectives.distillation)."""
+        teacher, model = nets
+        lam, s = self._split_point(t, r)
+        return self._two_jumps(self._teacher_target(teacher, z, t, s, y), model, z, t, s, r, y, lam)
+
+    def _split_point(self, t, r):
+        """(lam, s): where the two jumps meet, lam = (t - s) / (t - r) (split_point)."""
         if self.split_point == "uniform":
-            lam = torch.rand_like(t)  # (t - s) / (t - r), drawn on the device: no host sync
-            s = t - lam * (t - r)
-        else:
-            lam, s = torch.full_like(t, 0.5), (t + r) / 2
-        u_ts = model(z, t, s, y).float()
+            lam = torch.rand_like(t)  # drawn on the device: no host sync
+            return lam, t - lam * (t - r)
+        return torch.full_like(t, 0.5), (t + r) / 2
+
+    def _two_jumps(self, u_ts, model, z, t, s, r, y, lam):
+        """lam u_ts + (1 - lam) u(z_s, r, s), z_s = z - (t - s) u_ts: the average velocity over [r, t] from the first
+        jump's u_ts and the model's second jump."""
         z_s = z.float() - bcast(t - s, u_ts) * u_ts
         u_sr = model(z_s.to(z.dtype), s, r, y).float()
         lam = bcast(lam, u_ts)

@@ -189,6 +189,33 @@ def test_teacher_split_target_with_guidance_leaves_the_other_samples_alone():
     assert (err[i] - err_identity[i]).abs().max() > 1e-3
 
 
+def test_teacher_student_split_target_is_the_teachers_first_jump_then_the_students():
+    """split_target=teacher_student: z_s from teacher_steps Euler steps of the teacher over [s, t] (s the midpoint),
+    then the student's jump u(z_s, r, s); u_tgt is the two jumps' mean velocity, on the selected samples only."""
+    student, teacher = tiny_dit(time_inputs=2, seed=1), tiny_dit(seed=2).requires_grad_(False)
+    x, y = torch.randn(8, 3, 8, 8, generator=torch.Generator().manual_seed(0)), torch.arange(8)
+    kwargs = dict(teacher="unused", r_neq_t=1.0, label_dropout=0.0)
+    objective = MeanFlow(**kwargs, split_above=0.0, split_frac=0.25, split_target="teacher_student", teacher_steps=2)
+    torch.manual_seed(1)
+    t, r, err = objective.errors(student, x, y, teacher=teacher)
+    torch.manual_seed(1)  # the draws of errors(), in its order
+    objective.sample_times(8, "cpu")
+    z = LinearPath().sample(x, torch.randn_like(x), t).x_t
+    i = torch.topk(t - r, 2).indices
+    t_i, r_i = t[i], r[i]
+    s_i = (t_i + r_i) / 2
+    z_k, h = z[i], (t_i - s_i) / 2
+    for k in range(2):
+        z_k = z_k - h[:, None, None, None] * teacher_velocity(teacher, z_k, t_i - k * h, y[i], 1.0)
+    with torch.no_grad():
+        u_sr = student(z_k, s_i, r_i, y[i])
+        u_tgt = ((z[i] - z_k) + (s_i - r_i)[:, None, None, None] * u_sr) / (t_i - r_i)[:, None, None, None]
+        u = student(z[i], t_i, r_i, y[i])
+    torch.testing.assert_close(err[i], u - u_tgt, rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="split_target=teacher_student needs objective.teacher"):
+        MeanFlow(split_above=0.5, split_target="teacher_student")
+
+
 def test_ema_split_target_takes_the_half_jumps_of_the_ema():
     """split_target=ema: the selected samples' target is the student split target computed with the EMA network
     (another tiny DiT), the others' as without the split target; no EMA passed is a clear error."""
