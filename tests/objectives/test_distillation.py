@@ -237,6 +237,7 @@ def test_the_one_step_share_takes_t_max_and_its_target_in_the_loss():
     [
         ({"one_step_frac": 1.5}, "one_step_frac must be a probability"),
         ({"one_step_mid": 2.0}, "one_step_mid must lie in"),
+        ({"one_step_mid": None}, "one_step_mid must lie in"),
         ({"teacher_steps": 0}, "teacher_steps must be an int >= 1"),
     ],
 )
