@@ -71,8 +71,10 @@ def test_the_teacher_stays_frozen_and_the_student_starts_from_it(tmp_path, teach
     "name, extra",
     [
         ("scd", []),
+        ("scd", ["objective.one_step_frac=0.25", "objective.teacher_steps=2"]),
         ("rcm", []),
         ("meanflow_distill", []),
+        ("meanflow_distill", ["objective.split_above=0.0", "objective.split_target=teacher_student"]),
         ("meanflow_distill", ["objective.one_step_frac=0.25", "objective.perceptual_weight=1.0"]),
         ("meanflow_dmd", ["objective.fake_updates=0"]),
         ("meanflow_gan", ["objective.disc_width=8"]),
@@ -182,6 +184,7 @@ PARALLEL = {"ddp": [], "fsdp": ["trainer.parallel=fsdp"]}
     "name, extra, net",
     [
         ("rcm", ["objective.warmup_steps=2"], "fake_score"),
+        ("rcm", ["objective.warmup_steps=2", "objective.one_step_frac=0.25", "objective.teacher_steps=2"], "fake_score"),
         ("meanflow_gan", ["objective.r1_gamma=0", "objective.disc_width=8"], "discriminator"),
         ("meanflow_gan", ["objective.disc_backbone=teacher", "objective.r1_gamma=0", "objective.disc_width=8"], "discriminator"),
     ],
@@ -204,13 +207,21 @@ def test_two_processes_distil_as_one(tmp_path, teacher, train_run, name, extra, 
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name, net", [("rcm", "fake_score"), ("meanflow_gan", "discriminator")])
-def test_a_graphed_run_with_a_second_trained_network_follows_the_eager_run(tmp_path, teacher, train_run, name, net):
-    """rCM's fake-score and student steps are two CUDA graphs (its phases), replayed in turn; MeanFlow + GAN's student
-    and discriminator (its R1 a double backward) are one graph."""
+@pytest.mark.parametrize(
+    "name, net, extra",
+    [
+        ("rcm", "fake_score", []),
+        ("rcm", "fake_score", ["objective.one_step_frac=0.25", "objective.teacher_steps=2"]),
+        ("meanflow_gan", "discriminator", []),
+    ],
+)
+def test_a_graphed_run_with_a_second_trained_network_follows_the_eager_run(tmp_path, teacher, train_run, name, net, extra):
+    """rCM's fake-score and student steps are two CUDA graphs (its phases), replayed in turn (with sCD's one-step
+    target in the student's); MeanFlow + GAN's student and discriminator (its R1 a double backward) are one graph."""
     from .test_graphs import read_losses
 
-    common = objective_of(name, teacher) + STUDENT[:2] + ["attention=triton_jvp", "trainer.device=cuda", "trainer.max_steps=6"]
+    common = objective_of(name, teacher) + STUDENT[:2] + extra
+    common += ["attention=triton_jvp", "trainer.device=cuda", "trainer.max_steps=6"]
     common += ["objective.warmup_steps=2"] if name == "rcm" else ["objective.disc_width=8"]
     common += ["trainer.log_every=1"]
     train_run(tmp_path / "eager", common)
