@@ -47,7 +47,7 @@ def sample(model, objective, noise, y, steps: int, batch_size: int) -> torch.Ten
     parts = []
     for i in range(0, len(noise), batch_size):
         z, labels = noise[i : i + batch_size], None if y is None else y[i : i + batch_size]
-        gens = [torch.Generator(noise.device).manual_seed(1_000_000 + i + k) for k in range(len(z))]
+        gens = [torch.Generator().manual_seed(1_000_000 + i + k) for k in range(len(z))]
         parts.append(objective.sample(model, z, labels, steps=steps, generators=gens).float())
     return torch.cat(parts)
 

@@ -232,3 +232,19 @@ def test_quality_steady_step_ms_is_the_median_after_the_first_window(tmp_path):
         "".join(json.dumps({"step": 50 * (i + 1), "step_ms": m}) + "\n" for i, m in enumerate(ms))
     )
     assert load("quality").steady_step_ms(str(tmp_path)) == pytest.approx((55.2 + 55.6) / 2)
+
+
+@pytest.mark.gpu
+def test_flow_map_error_samples_a_renoising_objective_on_cuda():
+    # sCM's 2-step sampler re-noises from one CPU generator per image; CUDA ones failed on the H200
+    from flm.models.dit import DiT
+    from flm.objectives import build_objective
+
+    flow_map_error = load("flow_map_error")
+    model = DiT(input_size=8, in_channels=1, patch_size=2, hidden_size=64, depth=1, num_heads=2, num_classes=10).cuda()
+    objective = build_objective("scm").cuda()
+    noise, y = torch.randn(6, 1, 8, 8, device="cuda"), torch.arange(6, device="cuda")
+    two = flow_map_error.sample(model, objective, noise, y, steps=2, batch_size=6)
+    split = flow_map_error.sample(model, objective, noise, y, steps=2, batch_size=4)
+    assert two.shape == noise.shape and two.device.type == "cuda"
+    torch.testing.assert_close(two, split, atol=1e-4, rtol=1e-4)  # image k's re-noising depends on its own generator only

@@ -28,7 +28,8 @@ x_s = cos(t - s) x_t - sin(t - s) dx_t/dt), then the student's own consistency f
     f(x_t, t_max) -> sg(f(x_s, s)),   i.e. F -> F_tgt = (cos t x_t - sg(f(x_s, s))) / (sin t sigma_d)
 
 under the same adaptive weight exp(-logvar(t)). It costs teacher_steps - 1 teacher forwards and one student forward
-on those samples (the first teacher step reuses dx_t/dt).
+on those samples (the first teacher step reuses dx_t/dt). `one_step_ema` takes f(x_s, s) from the student's EMA, a
+target network: the student's own f feeds its errors back (on the H200 the samples turned to speckle noise).
 
 rCM: sCD's loss plus dmd_weight times DMD's score regulariser on the student's one-step samples
 x_g = f(sigma_d eps, t_max), with a fake-score network trained online on them (flm.objectives.dmd, which
@@ -72,6 +73,8 @@ class SCD(SCM):
         one_step_mid: the time s the teacher's ODE runs down to for that target (on the CPU 0.3-0.8 did equally
             well; at 1.1 one of two seeds degraded: docs/quality.md).
         teacher_steps: Euler steps of the teacher from t_max down to one_step_mid.
+        one_step_ema: the consistency function at one_step_mid from the model's EMA at this decay (one of
+            trainer.ema_decays; consistency distillation's target network) instead of the model itself (None).
         **kwargs: SCM's (sigma_d, p_mean, p_std, tangent_c, warmup_steps, ...).
     """
 
@@ -83,6 +86,7 @@ class SCD(SCM):
         one_step_frac: float = 0.0,
         one_step_mid: float = 0.8,
         teacher_steps: int = 8,
+        one_step_ema: float | None = None,
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -92,6 +96,10 @@ class SCD(SCM):
         if isinstance(teacher_steps, bool) or not isinstance(teacher_steps, int) or teacher_steps < 1:
             raise ValueError(f"teacher_steps must be an int >= 1 (Euler steps of the teacher), got {teacher_steps!r}")
         self.one_step_frac, self.one_step_mid, self.teacher_steps = float(one_step_frac), float(one_step_mid), teacher_steps
+        if one_step_ema is not None and not (isinstance(one_step_ema, float) and 0 < one_step_ema < 1):
+            raise ValueError(f"one_step_ema must be an EMA decay in (0, 1) or null (the model itself), got {one_step_ema!r}")
+        # the loop passes the EMA of this decay to loss() as `ema` (flm.train.loop.build_state)
+        self.target_ema_decay = one_step_ema if self.one_step_frac else None
         if self.cfg_omega != 1.0:
             raise ValueError(
                 "a teacher's guidance (objective.teacher_cfg_scale) replaces guidance in training; keep "
@@ -118,7 +126,7 @@ class SCD(SCM):
         velocity = lambda x_s, s: teacher_velocity(teacher, x_s, s, y, self.teacher_cfg_scale)  # noqa: E731
         return trigflow_velocity(velocity, x_t, t, self.sigma_d)
 
-    def loss(self, model, x, y=None, *, step=0, teacher):
+    def loss(self, model, x, y=None, *, step=0, teacher, ema=None):
         y = drop_labels(model, y, self.label_dropout)
         t = lognormal_trigflow(x.shape[0], self.p_mean, self.p_std, self.sigma_d, device=x.device)
         k = round(self.one_step_frac * len(t))
@@ -126,7 +134,13 @@ class SCD(SCM):
             t = torch.cat([t.new_full((k,), self.t_max), t[k:]])
         x_t = self.path.sample(x, torch.randn_like(x), t).x_t
         dx_t = self.teacher_dxdt(teacher, x_t, t, y)
-        target = self.one_step_target(model, teacher, x_t[:k], dx_t[:k], None if y is None else y[:k]) if k else None
+        if k and self.target_ema_decay is not None and ema is None:
+            raise ValueError(
+                f"objective.one_step_ema={self.target_ema_decay:g} needs the model's EMA at that decay passed to the loss "
+                "as `ema` (the training loop does this when trainer.ema_decays holds it)"
+            )
+        target_net = model if self.target_ema_decay is None else ema
+        target = self.one_step_target(target_net, teacher, x_t[:k], dx_t[:k], None if y is None else y[:k]) if k else None
         return self.consistency_loss(model, x_t, t, dx_t, y, step, target=target)
 
     def one_step_times(self) -> list[float]:
@@ -137,7 +151,8 @@ class SCD(SCM):
 
     @torch.no_grad()
     def one_step_target(self, model, teacher, x_t, dx_t, y):
-        """F_tgt of the samples at t_max: the teacher's ODE to one_step_mid, then the student's f there (module docstring)."""
+        """F_tgt of the samples at t_max: the teacher's ODE to one_step_mid, then model's f there (module docstring);
+        model: the student or its EMA (one_step_ema)."""
         times = self.one_step_times()
         x = x_t.float()
         for i, (t, s) in enumerate(zip(times[:-1], times[1:])):

@@ -75,7 +75,7 @@ class DMDRegularised:
         s = logit_normal(x_g.shape[0], self.dmd_t_mean, self.dmd_t_std, device=x_g.device)
         return LinearPath().sample(x_g, torch.randn_like(x_g), s)
 
-    def loss(self, model, x, y=None, *, step=0, phase=None, teacher, fake_score):
+    def loss(self, model, x, y=None, *, step=0, phase=None, teacher, fake_score, ema=None):
         if (phase or self.phase(step)) == "fake_score":
             with torch.no_grad():
                 x_g = self.generate(model, x, y)
@@ -83,7 +83,7 @@ class DMDRegularised:
             fake_loss = (fake_score(p.x_t, p.t, None, y).float() - p.dx_t).square().mean()
             return {"fake_score": fake_loss}, {"fake_loss": fake_loss.detach()}
 
-        student_loss, metrics = super().loss(model, x, y, step=step, teacher=teacher)
+        student_loss, metrics = super().loss(model, x, y, step=step, teacher=teacher, ema=ema)
         x_g = self.generate(model, x, y).float()
         p = self.noised(x_g.detach())
         s = bcast(p.t, x_g)

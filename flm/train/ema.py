@@ -93,6 +93,8 @@ class EMA:
         stay as they are (a skipped optimizer step)."""
         src = [local(p.detach()) for p in model.parameters()]
         for key, ema in self.models.items():
+            if hasattr(ema, "reshard"):  # FSDP2 leaves a root's parameters gathered after a forward (a target network's)
+                ema.reshard()
             weight = 1.0 - self.betas[key](step)
             params = [local(p) for p in ema.parameters()]
             if apply is None:

@@ -232,6 +232,27 @@ def test_the_one_step_share_takes_t_max_and_its_target_in_the_loss():
     assert all(p.grad is not None for p in student.parameters() if p.requires_grad)
 
 
+@pytest.mark.parametrize("distilled", [SCD, RCM])
+def test_one_step_ema_takes_the_targets_f_from_the_ema_network(distilled):
+    """With one_step_ema the loop passes that EMA as `ema` (target_ema_decay), and the one-step target's f is its:
+    the loss is the one whose target comes from `ema`, not the student's."""
+    base = {"teacher": "unused", "one_step_frac": 0.5, "warmup_steps": 0, "teacher_steps": 2}
+    scd = distilled(**base, one_step_ema=0.99)
+    assert scd.target_ema_decay == 0.99 and distilled(**base).target_ema_decay is None
+    assert distilled(teacher="unused", one_step_ema=0.99).target_ema_decay is None  # no one-step share, no target net
+    student, teacher, ema = tiny_dit(seed=1), tiny_dit(seed=2), tiny_dit(seed=3)
+    nets = {"teacher": teacher} | ({"fake_score": tiny_dit(seed=4)} if distilled is RCM else {})
+    x, y = torch.randn(4, 3, 8, 8), torch.tensor([0, 1, 2, 3])
+    with pytest.raises(ValueError, match="one_step_ema=0.99 needs the model's EMA"):
+        scd.loss(student, x, y, step=5, **nets)
+    seen = []
+    original = scd.one_step_target
+    scd.one_step_target = lambda net, *args: seen.append(net) or original(net, *args)
+    torch.manual_seed(0)
+    scd.loss(student, x, y, step=5, ema=ema, **nets)
+    assert seen == [ema]
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [
@@ -239,6 +260,8 @@ def test_the_one_step_share_takes_t_max_and_its_target_in_the_loss():
         ({"one_step_mid": 2.0}, "one_step_mid must lie in"),
         ({"one_step_mid": None}, "one_step_mid must lie in"),
         ({"teacher_steps": 0}, "teacher_steps must be an int >= 1"),
+        ({"one_step_ema": 1.0}, "one_step_ema must be an EMA decay"),
+        ({"one_step_ema": "0.99"}, "one_step_ema must be an EMA decay"),
     ],
 )
 def test_bad_one_step_options_are_refused(kwargs, message):

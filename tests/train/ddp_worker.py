@@ -6,6 +6,7 @@ out as under trainer.cuda_graph=true (flm.train.parallel.wrap), and the optimize
 import json
 import pathlib
 import sys
+import traceback
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -57,7 +58,7 @@ def main(jobs_file: str) -> None:
         except Exception as e:
             if dist.is_main():
                 pathlib.Path(run_dir).mkdir(parents=True, exist_ok=True)
-                pathlib.Path(run_dir, "error.txt").write_text(f"{type(e).__name__}: {e}")
+                pathlib.Path(run_dir, "error.txt").write_text(f"{type(e).__name__}: {e}\n\n{traceback.format_exc()}")
     dist.close()
 
 

@@ -71,7 +71,7 @@ def test_the_teacher_stays_frozen_and_the_student_starts_from_it(tmp_path, teach
     "name, extra",
     [
         ("scd", []),
-        ("scd", ["objective.one_step_frac=0.25", "objective.teacher_steps=2"]),
+        ("scd", ["objective.one_step_frac=0.25", "objective.teacher_steps=2", "objective.one_step_ema=0.98"]),
         ("rcm", []),
         ("meanflow_distill", []),
         ("meanflow_distill", ["objective.split_above=0.0", "objective.split_target=teacher_student"]),
@@ -184,7 +184,16 @@ PARALLEL = {"ddp": [], "fsdp": ["trainer.parallel=fsdp"]}
     "name, extra, net",
     [
         ("rcm", ["objective.warmup_steps=2"], "fake_score"),
-        ("rcm", ["objective.warmup_steps=2", "objective.one_step_frac=0.25", "objective.teacher_steps=2"], "fake_score"),
+        (
+            "rcm",
+            [
+                "objective.warmup_steps=2",
+                "objective.one_step_frac=0.25",
+                "objective.teacher_steps=2",
+                "objective.one_step_ema=0.98",
+            ],
+            "fake_score",
+        ),
         ("meanflow_gan", ["objective.r1_gamma=0", "objective.disc_width=8"], "discriminator"),
         ("meanflow_gan", ["objective.disc_backbone=teacher", "objective.r1_gamma=0", "objective.disc_width=8"], "discriminator"),
     ],
@@ -212,6 +221,7 @@ def test_two_processes_distil_as_one(tmp_path, teacher, train_run, name, extra, 
     [
         ("rcm", "fake_score", []),
         ("rcm", "fake_score", ["objective.one_step_frac=0.25", "objective.teacher_steps=2"]),
+        ("rcm", "fake_score", ["objective.one_step_frac=0.25", "objective.one_step_ema=0.98"]),
         ("meanflow_gan", "discriminator", []),
     ],
 )

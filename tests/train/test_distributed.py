@@ -60,6 +60,11 @@ def runs(tmp_path_factory):
                 tmp / "fsdp-skew",
                 FSDP + ["objective._target_=tests.train.ddp_worker.RankSkew", "~objective.name", "trainer.max_steps=2"],
             ),
+            (tmp / "fsdp-grids", FSDP + ["trainer.sample_every=2"]),
+            (
+                tmp / "fsdp-ema-target",
+                FSDP + ["objective.split_above=0.0", "objective.split_target=ema", "objective.split_ema=0.98"],
+            ),
         ],
     )
     run_one(tmp / "two-to-one", resume("two-dual"))
@@ -117,6 +122,16 @@ def test_a_replicated_tensor_out_of_sync_under_fsdp2_stops_the_run(runs):
         error
     )
     assert not checkpoint.list_checkpoints(str(runs / "fsdp-skew"))
+
+
+@pytest.mark.parametrize("run", ["fsdp-grids", "fsdp-ema-target"])
+def test_an_ema_that_ran_a_forward_under_fsdp2_still_averages(run, runs):
+    """FSDP2 leaves a root module's parameters gathered after a forward; the EMA's forward (a grid mid-run, a target
+    network) then met the model's shards in the next average and the run stopped (size 64 against 32)."""
+    assert not (runs / run / "error.txt").exists(), (runs / run / "error.txt").read_text()
+    assert final(runs / run)["step"] == 4
+    if run == "fsdp-grids":
+        assert (runs / run / "samples" / "step-00000002.png").is_file()
 
 
 def test_two_unwrapped_processes_train_as_one(runs, tmp_path):
