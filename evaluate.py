@@ -41,11 +41,13 @@ def run_data(run_cfg: dict, root: str | None) -> DataConfig:
 
 
 def table(results: dict, steps: list[int]) -> str:
-    acc = any(k.startswith("label_acc") for k in results)
-    lines = ["| steps | FID |" + (" label accuracy |" if acc else ""), "|---|---|" + ("---|" if acc else "")]
+    acc, fd = (any(k.startswith(m) for k in results) for m in ("label_acc", "digit_fd"))
+    head = "| steps | FID |" + (" label accuracy |" if acc else "") + (" digit FD |" if fd else "")
+    lines = [head, "|---" * head.count("|", 1) + "|"]
     for k in steps:
         row = f"| {k} | {results[f'fid_steps{k}']:.2f} |"
-        lines.append(row + (f" {100 * results[f'label_acc_steps{k}']:.2f} % |" if acc else ""))
+        row += f" {100 * results[f'label_acc_steps{k}']:.2f} % |" if acc else ""
+        lines.append(row + (f" {results[f'digit_fd_steps{k}']:.3f} |" if fd else ""))
     return "\n".join(lines)
 
 

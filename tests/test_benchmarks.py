@@ -66,7 +66,7 @@ def test_report_divides_by_the_best_flow_matching_50_step_fid(tmp_path):
         "c": {
             **entry("c", "scd", {1: 12.0, 2: 9.0}),
             "evals": None,
-            "eval": {"results": {"fid_steps1": 12.0, "fid_steps2": 9.0}},
+            "eval": {"results": {"fid_steps1": 12.0, "fid_steps2": 9.0, "digit_fd_steps1": 3.25}},
             "overrides": ["objective.teacher=/tmp/work/b/"],
             "gpu_s": 50.2,
         },
@@ -78,6 +78,7 @@ def test_report_divides_by_the_best_flow_matching_50_step_fid(tmp_path):
     rows = [line for line in (tmp_path / "q.md").read_text().splitlines() if line.startswith("| c ")]
     assert [row.split("|")[-3].strip() for row in rows] == ["1.50", "1.12"]  # 12 / 8 and 9 / 8: against b, not a
     assert all(row.split("|")[-2].strip() == "-" for row in rows)  # no flow-map error measured
+    assert [row.split("|")[-4].strip() for row in rows] == ["3.250", "-"]  # the digit FD where it was measured
     assert all("| ema |" in row for row in rows)  # an old entry's single evaluation is the run's first EMA
     assert all(row.split("|")[6:8] == [" 50 ", " 251 "] for row in rows)  # its GPU s, and with its teacher b's
 
@@ -109,7 +110,7 @@ def test_seeds_name_the_runs_and_the_report_averages_over_them(tmp_path):
     }
     quality.report(json.loads(json.dumps(results)), tmp_path / "q.md")
     text = (tmp_path / "q.md").read_text()
-    assert "| m_s1 | meanflow_distill | - | 10 | 1.0 | 0 | - | ema0.99 | 1 | 26.00 | - | - | 0.05000 |" in text
+    assert "| m_s1 | meanflow_distill | - | 10 | 1.0 | 0 | - | ema0.99 | 1 | 26.00 | - | - | - | 0.05000 |" in text
     assert "| m | 3 | ema0.99 | 1 | 23.00 | 20.00-26.00 | 0.04000 (0.03000-0.05000) |" in text
     assert "| m | 3 | ema0.99 | 2 | 10.00 | 10.00-10.00 | 0.01000 (0.01000-0.01000) |" in text
     assert "| single | 1 |" not in text  # one run is no spread

@@ -23,9 +23,9 @@ from flm.metrics import fid
 from flm.train.sampling import class_labels, generate, save_grid
 
 
-def is_mnist_like(shape, num_classes: int) -> bool:
-    """What the digit classifier reads: 10 classes of 1 x 28 x 28 images."""
-    return num_classes == 10 and tuple(shape) == (1, 28, 28)
+def is_mnist_like(shape, num_classes: int, dataset: str = "mnist") -> bool:
+    """What the digit classifier reads: 10 classes of 1 x 28 x 28 images of digits (not Fashion-MNIST's clothes)."""
+    return num_classes == 10 and tuple(shape) == (1, 28, 28) and dataset in ("mnist", "mnist_shipped")
 
 
 def _positive_int(value) -> bool:
@@ -83,9 +83,10 @@ class Evaluator:
         self.shape, self.device = tuple(self.shape), torch.device(self.device)
         self.net = self.features or fid.load_inception(self.inception, device=self.device)
         self.resolution = self.shape[-1] if self.decoder is None else self.decoder.resolution
-        mnist_like = self.decoder is None and is_mnist_like(self.shape, self.num_classes)
+        mnist_like = self.decoder is None and is_mnist_like(self.shape, self.num_classes, self.data.name)
         self.classifier = digits.load_classifier(self.device) if mnist_like else None
         self.reference = self._reference() if dist.is_main() else None  # only rank 0 computes the numbers
+        self.digit_reference = digits.reference_moments(self.classifier) if mnist_like and dist.is_main() else None
 
     def _reference(self) -> fid.Stats:
         split = self.split or fid.default_split(self.data.name)
@@ -115,13 +116,14 @@ class Evaluator:
 
     @torch.no_grad()
     def __call__(self, model, objective) -> dict:
-        """{"fid_steps<k>": ..., "label_acc_steps<k>": ...} for every step count, on rank 0 ({} elsewhere)."""
+        """{"fid_steps<k>": ..., and on MNIST "label_acc_steps<k>": ..., "digit_fd_steps<k>": ...} for every step
+        count, on rank 0 ({} elsewhere)."""
         world, rank = dist.world_size(), dist.rank()
         per_rank = -(-self.n // world)  # equal blocks; the few images past n are dropped after the gather
         labels = class_labels(per_rank * world, self.num_classes)
         results = {}
         for steps in self.steps:
-            feats, correct = [], []
+            feats, correct, digit_feats = [], [], []
             for lo in range(rank * per_rank, (rank + 1) * per_rank, self.batch_size):
                 hi = min(lo + self.batch_size, (rank + 1) * per_rank)
                 y = None if labels is None else labels[lo:hi]
@@ -142,16 +144,19 @@ class Evaluator:
                 if self.grid and lo == 0:  # labels cycle 0..9: ten per row
                     save_grid(images[:100], f"{self.grid}-steps{steps}.png", nrow=self.num_classes if self.num_classes else None)
                 if self.classifier is not None:
-                    predicted = digits.predict(images, classifier=self.classifier, batch_size=self.batch_size)
+                    digit_f, predicted = digits.read(images, classifier=self.classifier, batch_size=self.batch_size)
                     correct.append((predicted == y.to(predicted.device)).float())
+                    digit_feats.append(digit_f)
             feats = dist.all_gather_cat(torch.cat(feats))[: self.n]
             if self.classifier is not None:
                 accuracy = dist.all_gather_cat(torch.cat(correct))[: self.n].mean()
+                digit_feats = dist.all_gather_cat(torch.cat(digit_feats))[: self.n]
             if dist.is_main():
                 mu, sigma = fid.moments(feats)
                 results[f"fid_steps{steps}"] = fid.frechet_distance(mu, sigma, self.reference.mu, self.reference.sigma)
                 if self.classifier is not None:
                     results[f"label_acc_steps{steps}"] = accuracy.item()
+                    results[f"digit_fd_steps{steps}"] = fid.frechet_distance(*fid.moments(digit_feats), *self.digit_reference)
         return results
 
 

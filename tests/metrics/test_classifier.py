@@ -2,7 +2,8 @@ import pytest
 import torch
 
 from flm.data import shipped_mnist
-from flm.metrics.classifier import label_accuracy, load_classifier, predict
+from flm.metrics.classifier import label_accuracy, load_classifier, predict, read, reference_moments
+from flm.metrics.fid import frechet_distance, moments
 
 
 @pytest.fixture(scope="module")
@@ -36,3 +37,23 @@ def test_refuses_other_shapes():
         label_accuracy(torch.zeros(4, 3, 32, 32), torch.zeros(4))
     with pytest.raises(ValueError, match="4 images but 3 labels"):
         label_accuracy(torch.zeros(4, 1, 28, 28), torch.zeros(3))
+
+
+def test_digit_fd_is_small_for_test_digits_and_large_for_blur_and_noise(digits):
+    """The digit Fréchet distance against the test digits: 2,000 of them score near 0 (the finite-sample bias,
+    2.5 here), a 3 x 3 box blur of the same digits ~140, uniform noise ~800."""
+    net = load_classifier()
+    ref = reference_moments(net)
+    x = digits[0].float() / 127.5 - 1
+    fd = lambda images: frechet_distance(*moments(read(images, classifier=net)[0]), *ref)  # noqa: E731
+    same, blurred = fd(x), fd(torch.nn.functional.avg_pool2d(x, 3, 1, 1))
+    noise = fd(torch.rand(1000, 1, 28, 28, generator=torch.Generator().manual_seed(0)) * 2 - 1)
+    assert same < 5 and blurred > 50 * same and noise > 4 * blurred
+
+
+def test_read_gives_predict_and_the_features_of_one_forward(digits):
+    net = load_classifier()
+    x = digits[0][:300].float() / 127.5 - 1
+    feats, predicted = read(x, classifier=net, batch_size=128)
+    assert feats.shape == (300, 64) and (feats >= 0).all()  # after the last hidden ReLU
+    assert torch.equal(predicted, net(x).argmax(1))

@@ -54,9 +54,9 @@ def test_evaluate_from_the_command_line(run, tmp_path):
     )
     assert rc == 0, err
     report = json.loads(out.read_text())
-    assert set(report["results"]) == {"fid_steps1", "fid_steps2", "label_acc_steps1", "label_acc_steps2"}
+    assert set(report["results"]) == {f"{m}_steps{k}" for m in ("fid", "label_acc", "digit_fd") for k in (1, 2)}
     assert all(np.isfinite(v) for v in report["results"].values()) and report["n"] == 12
-    assert "| steps | FID | label accuracy |" in stdout and "| 2 |" in stdout
+    assert "| steps | FID | label accuracy | digit FD |" in stdout and "| 2 |" in stdout
     assert not list(tmp_path.glob("*.png"))  # grids only when asked for
 
 
@@ -94,6 +94,7 @@ def test_scores_do_not_depend_on_the_batch_size(run):
     ]
     assert scores[0]["fid_steps1"] == pytest.approx(scores[1]["fid_steps1"], rel=1e-5)
     assert scores[0]["label_acc_steps1"] == scores[1]["label_acc_steps1"]
+    assert scores[0]["digit_fd_steps1"] == pytest.approx(scores[1]["digit_fd_steps1"], rel=1e-4)
 
 
 def test_objective_is_rebuilt_from_names_only(run):
@@ -256,3 +257,11 @@ def test_image_folder_reference_is_cached_under_its_path(tmp_path):
     assert [p.name for p in (tmp_path / "cache").iterdir()] == [f"{ev.reference.dataset}-train-8x8-standin.npz"]
     with pytest.raises(ValueError, match="differs in resolution"):
         Evaluator(data=data, shape=(3, 16, 16), num_classes=2, n=4, features=net, cache=str(tmp_path / "cache"))
+
+
+def test_the_digit_metrics_are_for_mnist_only():
+    from flm.train.evaluation import is_mnist_like
+
+    assert is_mnist_like((1, 28, 28), 10, "mnist") and is_mnist_like((1, 28, 28), 10, "mnist_shipped")
+    assert not is_mnist_like((1, 28, 28), 10, "fashion_mnist")  # same shape and classes, clothes not digits
+    assert not is_mnist_like((3, 32, 32), 10, "cifar10")
