@@ -84,7 +84,7 @@ def predict(images, *, classifier: DigitClassifier | None = None, batch_size: in
     return read(images, classifier=classifier, batch_size=batch_size, device=device)[1]
 
 
-def test_digits() -> torch.Tensor:
+def mnist_test_digits() -> torch.Tensor:
     """MNIST's 10,000 test digits as shipped in flm/assets, uint8 (10000, 28, 28, 1)."""
     from flm.data import build_dataset
 
@@ -96,7 +96,7 @@ def reference_moments(classifier: DigitClassifier) -> tuple:
     """(mu, sigma) of the classifier's features over MNIST's test digits: digit_fd's reference."""
     from flm.metrics.fid import moments
 
-    return moments(read(test_digits(), classifier=classifier)[0])
+    return moments(read(mnist_test_digits(), classifier=classifier)[0])
 
 
 def label_accuracy(images, labels, *, classifier: DigitClassifier | None = None, batch_size: int = 1000, device=None) -> float:
