@@ -18,3 +18,15 @@ def check_hf_weight(hf_weight: float) -> float:
     if not 0 <= hf_weight < float("inf"):
         raise ValueError(f"hf_weight must be a finite weight >= 0 (0: the plain squared error), got {hf_weight!r}")
     return hf_weight
+
+
+def check_hf_weight_one_step(hf_weight_one_step: float | None, one_step_frac: float) -> float | None:
+    """hf_weight for the one_step_frac samples alone: None (hf_weight), or a weight, which needs one_step_frac > 0."""
+    if hf_weight_one_step is None:
+        return None
+    if not one_step_frac:
+        raise ValueError(
+            f"hf_weight_one_step={hf_weight_one_step!r} weighs the one_step_frac samples, and one_step_frac is 0; "
+            "set objective.one_step_frac > 0 or objective.hf_weight_one_step=null"
+        )
+    return check_hf_weight(hf_weight_one_step)

@@ -168,9 +168,10 @@ class SCM(nn.Module):
         keep = bcast((y == null) | ~in_interval(t, self.cfg_interval), v)
         return torch.where(keep, dx_t, v)
 
-    def consistency_loss(self, model, x_t, t, dx_t, y, step, target=None):
+    def consistency_loss(self, model, x_t, t, dx_t, y, step, target=None, hf_weight=None):
         """Algorithm 1's loss at (x_t, t) with dx_t/dt = dx_t: the data's (sCT) or a teacher's (sCD). target: F's
-        explicit target for the batch's first len(target) samples (sCD's one_step_frac), in place of F- + g."""
+        explicit target for the batch's first len(target) samples (sCD's one_step_frac), in place of F- + g.
+        hf_weight: squared_error's, a number or one per sample, in place of self.hf_weight."""
         sigma_d = self.sigma_d
         cos_t, sin_t = bcast(torch.cos(t), x_t), bcast(torch.sin(t), x_t)
 
@@ -192,7 +193,8 @@ class SCM(nn.Module):
             k = len(target)
             err = torch.cat([F[:k].float() - target, err[k:]])
             metrics["one_step_mse"] = err[:k].detach().square().mean()
-        sq = squared_error(err, self.hf_weight) / err[0].numel()  # ||.||^2 / D per sample (pixel-scale part weighted)
+        hf_weight = self.hf_weight if hf_weight is None else hf_weight
+        sq = squared_error(err, hf_weight) / err[0].numel()  # ||.||^2 / D per sample (pixel-scale part weighted)
         logvar = self.logvar(t)
         loss = (torch.exp(-logvar) * sq + logvar).mean()
         mse = err.detach().square().mean()

@@ -46,9 +46,10 @@ import math
 
 import torch
 
-from flm.objectives.checks import check_probability
+from flm.objectives.checks import check_hf_weight_one_step, check_probability
 from flm.objectives.consistency import SCM
 from flm.objectives.dmd import DMDRegularised
+from flm.objectives.frequency import first_k_hf_weight
 from flm.objectives.guidance import drop_labels, guided
 from flm.objectives.paths import lognormal_trigflow
 from flm.objectives.protocol import Network
@@ -75,6 +76,7 @@ class SCD(SCM):
         teacher_steps: Euler steps of the teacher from t_max down to one_step_mid.
         one_step_ema: the consistency function at one_step_mid from the model's EMA at this decay (one of
             trainer.ema_decays; consistency distillation's target network) instead of the model itself (None).
+        hf_weight_one_step: hf_weight (flm.objectives.frequency) for the one_step_frac samples alone; None: hf_weight.
         **kwargs: SCM's (sigma_d, p_mean, p_std, tangent_c, warmup_steps, ...).
     """
 
@@ -87,6 +89,7 @@ class SCD(SCM):
         one_step_mid: float = 0.8,
         teacher_steps: int = 8,
         one_step_ema: float | None = None,
+        hf_weight_one_step: float | None = None,
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -100,6 +103,7 @@ class SCD(SCM):
             raise ValueError(f"one_step_ema must be an EMA decay in (0, 1) or null (the model itself), got {one_step_ema!r}")
         # the loop passes the EMA of this decay to loss() as `ema` (flm.train.loop.build_state)
         self.target_ema_decay = one_step_ema if self.one_step_frac else None
+        self.hf_weight_one_step = check_hf_weight_one_step(hf_weight_one_step, one_step_frac)
         if self.cfg_omega != 1.0:
             raise ValueError(
                 "a teacher's guidance (objective.teacher_cfg_scale) replaces guidance in training; keep "
@@ -141,7 +145,8 @@ class SCD(SCM):
             )
         target_net = model if self.target_ema_decay is None else ema
         target = self.one_step_target(target_net, teacher, x_t[:k], dx_t[:k], None if y is None else y[:k]) if k else None
-        return self.consistency_loss(model, x_t, t, dx_t, y, step, target=target)
+        hf_weight = first_k_hf_weight(len(t), k, self.hf_weight, self.hf_weight_one_step, x.device)
+        return self.consistency_loss(model, x_t, t, dx_t, y, step, target=target, hf_weight=hf_weight)
 
     def one_step_times(self) -> list[float]:
         """TrigFlow times t_max, ..., one_step_mid of the teacher's Euler steps, uniform in flow-matching time."""

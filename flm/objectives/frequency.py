@@ -42,3 +42,13 @@ def squared_error(err: torch.Tensor, hf_weight: float | torch.Tensor = 0.0) -> t
             f"shape {tuple(err.shape[1:])}; set objective.hf_weight=0"
         )
     return sq + hf_weight * high_pass(err).square().flatten(1).sum(1)
+
+
+def first_k_hf_weight(n: int, k: int, hf_weight: float, hf_weight_first: float | None, device) -> float | torch.Tensor:
+    """squared_error's hf_weight for a batch of n whose first k samples (an objective's one-step share) take
+    hf_weight_first and the others hf_weight; a number when they are alike."""
+    if hf_weight_first is None or not k:
+        return hf_weight
+    w = torch.full((n,), float(hf_weight), device=device)  # a fill on the device: capturable
+    w[:k] = hf_weight_first
+    return w

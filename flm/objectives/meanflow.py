@@ -80,10 +80,10 @@ from flm.objectives.guidance import (
     unwrap,
 )
 from flm.objectives.jvp import check_jvp_mode, jvp
-from flm.objectives.checks import check_hf_weight, check_probability, check_std
+from flm.objectives.checks import check_hf_weight, check_hf_weight_one_step, check_probability, check_std
 from flm.objectives.adversarial import AdversarialRegularised
 from flm.objectives.dmd import DMDRegularised
-from flm.objectives.frequency import squared_error
+from flm.objectives.frequency import first_k_hf_weight, squared_error
 from flm.objectives.paths import LinearPath, bcast, logit_normal, time_grid
 from flm.objectives.protocol import NO_NETWORKS, Network
 from flm.objectives.teacher import feature_blocks, load_teacher, teacher_features, teacher_velocity
@@ -229,12 +229,7 @@ class MeanFlow(nn.Module):
         self.one_step_frac, self.two_step_frac = one_step_frac, two_step_frac
         self.adaptive_p, self.adaptive_c = adaptive_p, adaptive_c
         self.hf_weight = check_hf_weight(hf_weight)
-        if hf_weight_one_step is not None and not one_step_frac:
-            raise ValueError(
-                f"hf_weight_one_step={hf_weight_one_step!r} weighs the one_step_frac samples, and one_step_frac is 0; "
-                "set objective.one_step_frac > 0 or objective.hf_weight_one_step=null"
-            )
-        self.hf_weight_one_step = None if hf_weight_one_step is None else check_hf_weight(hf_weight_one_step)
+        self.hf_weight_one_step = check_hf_weight_one_step(hf_weight_one_step, one_step_frac)
         self.cfg_omega, self.cfg_kappa = cfg_omega, cfg_kappa
         if tangent not in TANGENTS:
             raise ValueError(f"unknown tangent {tangent!r}; valid tangents: {', '.join(TANGENTS)}")
@@ -449,12 +444,7 @@ class MeanFlow(nn.Module):
     def hf_weights(self, n: int, device) -> float | torch.Tensor:
         """squared_error's hf_weight for a batch of n: hf_weight_one_step on its one-step samples, hf_weight on the
         others; a number when they are alike."""
-        k1 = self.one_step_count(n)
-        if self.hf_weight_one_step is None or not k1:
-            return self.hf_weight
-        w = torch.full((n,), float(self.hf_weight), device=device)  # a fill on the device: capturable
-        w[:k1] = self.hf_weight_one_step
-        return w
+        return first_k_hf_weight(n, self.one_step_count(n), self.hf_weight, self.hf_weight_one_step, device)
 
     def perceptual(self, teacher, z, u, err, y):
         """Per one-step sample, the squared distance of its sample z - u to its target z - sg(u_tgt) = z - u + err in

@@ -253,9 +253,39 @@ def test_one_step_ema_takes_the_targets_f_from_the_ema_network(distilled):
     assert seen == [ema]
 
 
+def test_hf_weight_one_step_weighs_the_one_step_share_alone():
+    """hf_weight_one_step on the batch's one-step samples, hf_weight on the rest: the loss is the sum of the two
+    objectives' per-sample terms, each taken from the run that weighs that part alike."""
+    student, teacher = tiny_dit(seed=1), tiny_dit(seed=2)
+    x, y = torch.randn(4, 3, 8, 8), torch.tensor([0, 1, 2, 3])
+    seen = {}
+
+    def per_sample(scd):
+        original = scd.consistency_loss
+
+        def spy(*args, **kwargs):
+            seen[scd] = kwargs["hf_weight"]
+            return original(*args, **kwargs)
+
+        scd.consistency_loss = spy
+        torch.manual_seed(0)
+        return scd.loss(student, x, y, step=5, teacher=teacher)[0]
+
+    base = {"teacher": "unused", "one_step_frac": 0.5, "teacher_steps": 2, "warmup_steps": 0, "hf_weight": 1.0}
+    split = SCD(**base, hf_weight_one_step=16.0)
+    per_sample(split)
+    torch.testing.assert_close(seen[split], torch.tensor([16.0, 16.0, 1.0, 1.0]))
+    alike = SCD(**base)
+    per_sample(alike)
+    assert seen[alike] == 1.0  # a number when every sample takes hf_weight
+    assert per_sample(split) > per_sample(alike)  # the one-step samples' pixel-scale error counts 16 x, not 1 x
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [
+        ({"hf_weight_one_step": 16.0}, "hf_weight_one_step=16.0 weighs the one_step_frac samples, and one_step_frac is 0"),
+        ({"one_step_frac": 0.5, "hf_weight_one_step": -1.0}, "hf_weight must be a finite weight"),
         ({"one_step_frac": 1.5}, "one_step_frac must be a probability"),
         ({"one_step_mid": 2.0}, "one_step_mid must lie in"),
         ({"one_step_mid": None}, "one_step_mid must lie in"),

@@ -71,7 +71,15 @@ def test_the_teacher_stays_frozen_and_the_student_starts_from_it(tmp_path, teach
     "name, extra",
     [
         ("scd", []),
-        ("scd", ["objective.one_step_frac=0.25", "objective.teacher_steps=2", "objective.one_step_ema=0.98"]),
+        (
+            "scd",
+            [
+                "objective.one_step_frac=0.25",
+                "objective.teacher_steps=2",
+                "objective.one_step_ema=0.98",
+                "objective.hf_weight_one_step=16",
+            ],
+        ),
         ("rcm", []),
         ("meanflow_distill", []),
         ("meanflow_distill", ["objective.split_above=0.0", "objective.split_target=teacher_student"]),
@@ -221,7 +229,7 @@ def test_two_processes_distil_as_one(tmp_path, teacher, train_run, name, extra, 
     [
         ("rcm", "fake_score", []),
         ("rcm", "fake_score", ["objective.one_step_frac=0.25", "objective.teacher_steps=2"]),
-        ("rcm", "fake_score", ["objective.one_step_frac=0.25", "objective.one_step_ema=0.98"]),
+        ("rcm", "fake_score", ["objective.one_step_frac=0.25", "objective.one_step_ema=0.98", "objective.hf_weight_one_step=16"]),
         ("meanflow_gan", "discriminator", []),
     ],
 )
