@@ -247,24 +247,24 @@ def fit(
     seed: int = 0,
     dim: int = 2,
     n_eval: int = 1000,
-    teacher_steps: int = 0,
+    fit_teacher_steps: int = 0,
     log=print,
     **objective_kwargs,
 ) -> tuple[list[dict], nn.Module]:
     """Train ToyNet with an objective from flm.objectives; (the scores of the EMA model every eval_every
     steps, the EMA model).
 
-    teacher_steps: 0 distils (sCD, rCM, MeanFlow with teacher=...) the exact velocity into a fresh student;
+    fit_teacher_steps: 0 distils (sCD, rCM, MeanFlow with teacher=...) the exact velocity into a fresh student;
     N > 0 first trains a flow-matching ToyNet for N steps, which is then the teacher and the student's (and
     rCM's fake score's) initialisation, as a distillation in flm starts (flm.train.loop.start_from).
     """
     settings = dict(batch=batch, lr=lr, lr_warmup=lr_warmup, ema=ema, time_scale=time_scale, hidden=hidden, depth=depth)
     gmm = default_gmm(dim)
     teacher = ExactTeacher(gmm)
-    if teacher_steps:
-        log(f"flow-matching teacher, {teacher_steps} steps:")
-        every = dict(eval_every=teacher_steps, seed=seed, dim=dim, n_eval=n_eval, teacher_steps=0, log=log)
-        teacher = fit("flow_matching", steps=teacher_steps, **settings, **every)[1]
+    if fit_teacher_steps:
+        log(f"flow-matching teacher, {fit_teacher_steps} steps:")
+        every = dict(eval_every=fit_teacher_steps, seed=seed, dim=dim, n_eval=n_eval, fit_teacher_steps=0, log=log)
+        teacher = fit("flow_matching", steps=fit_teacher_steps, **settings, **every)[1]
     torch.manual_seed(seed)
     objective_kwargs.setdefault("label_dropout", 0.0)  # unconditional toy
     if objective_name in ("scd", "rcm", "meanflow_dmd"):
@@ -272,15 +272,20 @@ def fit(
     objective = build_objective(objective_name, **objective_kwargs)
     model = ToyNet(objective.time_inputs, time_scale, hidden, depth, dim)
     declared = getattr(objective, "networks", {})  # distillation: the teacher, and rCM's fake score
-    if teacher_steps and any(network.model_init for network in declared.values()):
+    if fit_teacher_steps and any(network.model_init for network in declared.values()):
         start_from(model, teacher)
     ema_model = copy.deepcopy(model).requires_grad_(False)
+    # an objective's target network (MeanFlow's split_target=ema, sCD's one_step_ema): an EMA at its own decay
+    target_decay = getattr(objective, "target_ema_decay", None)
+    averages = {ema: ema_model}
+    if target_decay and target_decay not in averages:
+        averages[target_decay] = copy.deepcopy(model).requires_grad_(False)
     opt = torch.optim.Adam(list(model.parameters()) + list(objective.parameters()), lr=lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, lr_warmup)))
     networks, optimizers = {}, {"model": (model, opt)}
     fresh = lambda: ToyNet(1, time_scale, hidden, depth, dim)  # noqa: E731
     for name, network in declared.items():
-        networks[name] = fake_score_start(teacher, model, teacher_steps, fresh) if network.trainable else teacher
+        networks[name] = fake_score_start(teacher, model, fit_teacher_steps, fresh) if network.trainable else teacher
         if network.trainable:
             optimizers[name] = (networks[name], torch.optim.Adam(networks[name].parameters(), **{"lr": lr, **network.optim}))
     scorer = Scorer(objective, gmm, n=n_eval)
@@ -288,7 +293,8 @@ def fit(
     history, t0 = [], time.perf_counter()
     for step in range(steps):
         x = gmm.sample(batch, generator=data_gen).float()
-        loss, _ = objective.loss(model, x, None, step=step, **networks)
+        target = {"ema": averages[target_decay]} if target_decay else {}
+        loss, _ = objective.loss(model, x, None, step=step, **networks, **target)
         losses = loss if isinstance(loss, dict) else {"model": loss}  # {network: its loss}
         for name, value in losses.items():
             net, net_opt = optimizers[name]
@@ -299,8 +305,9 @@ def fit(
         if "model" in losses:  # rCM's fake-score steps leave the student (and its warm-up) alone
             sched.step()
         with torch.no_grad():
-            for p_ema, p in zip(ema_model.parameters(), model.parameters()):
-                p_ema.lerp_(p, 1 - ema)
+            for decay, average in averages.items():
+                for p_ema, p in zip(average.parameters(), model.parameters()):
+                    p_ema.lerp_(p, 1 - decay)
         if (step + 1) % eval_every == 0 or step + 1 == steps:
             row = {"step": step + 1, **scorer(ema_model), "s": round(time.perf_counter() - t0, 1)}
             history.append(row)
@@ -309,10 +316,10 @@ def fit(
     return history, ema_model
 
 
-def fake_score_start(teacher, student, teacher_steps, fresh):
+def fake_score_start(teacher, student, fit_teacher_steps, fresh):
     """A fake score (rCM, MeanFlow + DMD) is a flow-matching network: the trained teacher's copy, else the fresh
     student's where it is one (time_inputs 1), else fresh() (a flow-matching ToyNet of the student's shape)."""
-    if teacher_steps:
+    if fit_teacher_steps:
         return copy.deepcopy(teacher).requires_grad_(True)
     return copy.deepcopy(student) if student.time_inputs == 1 else fresh()
 
@@ -354,7 +361,7 @@ def main():
         eval_every=args.eval_every,
         seed=args.seed,
         dim=args.dim,
-        teacher_steps=args.teacher_steps,
+        fit_teacher_steps=args.teacher_steps,
         **{k: _value(v) for k, v in kwargs.items()},
     )
     print(f"energy-distance floor (two GMM samples): {history[-1]['ed_floor']:.5f}")

@@ -77,6 +77,8 @@ class SCD(SCM):
         one_step_ema: the consistency function at one_step_mid from the model's EMA at this decay (one of
             trainer.ema_decays; consistency distillation's target network) instead of the model itself (None).
         hf_weight_one_step: hf_weight (flm.objectives.frequency) for the one_step_frac samples alone; None: hf_weight.
+        one_step_solver: the teacher's ODE solver for that target: "euler" (teacher_steps - 1 teacher forwards) or
+            "heun" (second order, 2 teacher_steps - 1 forwards).
         **kwargs: SCM's (sigma_d, p_mean, p_std, tangent_c, warmup_steps, ...).
     """
 
@@ -90,6 +92,7 @@ class SCD(SCM):
         teacher_steps: int = 8,
         one_step_ema: float | None = None,
         hf_weight_one_step: float | None = None,
+        one_step_solver: str = "euler",
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -104,6 +107,9 @@ class SCD(SCM):
         # the loop passes the EMA of this decay to loss() as `ema` (flm.train.loop.build_state)
         self.target_ema_decay = one_step_ema if self.one_step_frac else None
         self.hf_weight_one_step = check_hf_weight_one_step(hf_weight_one_step, one_step_frac)
+        if one_step_solver not in ("euler", "heun"):
+            raise ValueError(f"one_step_solver must be 'euler' or 'heun', got {one_step_solver!r}")
+        self.one_step_solver = one_step_solver
         if self.cfg_omega != 1.0:
             raise ValueError(
                 "a teacher's guidance (objective.teacher_cfg_scale) replaces guidance in training; keep "
@@ -157,14 +163,27 @@ class SCD(SCM):
     @torch.no_grad()
     def one_step_target(self, model, teacher, x_t, dx_t, y):
         """F_tgt of the samples at t_max: the teacher's ODE to one_step_mid, then model's f there (module docstring);
-        model: the student or its EMA (one_step_ema)."""
-        times = self.one_step_times()
-        x = x_t.float()
-        for i, (t, s) in enumerate(zip(times[:-1], times[1:])):
-            v = dx_t if i == 0 else self.teacher_dxdt(teacher, x, torch.full((len(x),), t, device=x.device), y)
-            x = math.cos(t - s) * x - math.sin(t - s) * v.float()
-        f_mid = self.consistency_fn(model, x, times[-1], y)
-        return (math.cos(self.t_max) * x_t.float() - f_mid) / (math.sin(self.t_max) * self.sigma_d)
+        model: the student or its EMA (one_step_ema). The ODE runs in flow-matching coordinates z = x / c(t),
+        c(t) = cos t + sigma_d sin t, at the flow-matching times s(t), uniform; its first velocity is read off dx_t."""
+        sigma_d, times = self.sigma_d, self.one_step_times()
+        c = lambda t: math.cos(t) + sigma_d * math.sin(t)  # noqa: E731
+        s = [sigma_d * math.sin(t) / c(t) for t in times]  # flow_time
+        x_t = x_t.float()
+        z = x_t / c(times[0])
+        v = (
+            dx_t.float() * c(times[0]) / sigma_d - (math.cos(times[0]) - math.sin(times[0]) / sigma_d) * x_t
+        )  # inverts trigflow_velocity
+        velocity = lambda z, s_: teacher_velocity(teacher, z, z.new_full((len(z),), s_), y, self.teacher_cfg_scale)  # noqa: E731
+        for i in range(self.teacher_steps):
+            h = s[i + 1] - s[i]
+            if i:
+                v = velocity(z, s[i])
+            z_next = z + h * v  # Euler (DDIM's step in TrigFlow)
+            if self.one_step_solver == "heun":  # the trapezoid with Euler's end: second order, one more forward
+                z_next = z + h * (v + velocity(z_next, s[i + 1])) / 2
+            z = z_next
+        f_mid = self.consistency_fn(model, c(times[-1]) * z, times[-1], y)
+        return (math.cos(self.t_max) * x_t - f_mid) / (math.sin(self.t_max) * sigma_d)
 
 
 class RCM(DMDRegularised, SCD):

@@ -197,10 +197,12 @@ def test_scd_refuses_guidance_in_training(distilled):
         distilled(teacher="t", cfg_omega=2.0)
 
 
-def test_the_one_step_target_is_the_teachers_flow_matching_euler_solution_then_the_students_f():
-    """sCD's one_step_frac target, computed independently: Euler steps of the teacher's velocity in flow-matching
-    coordinates (x_s = x_t / c(t), uniform in s) down to one_step_mid, back to TrigFlow, the student's f there."""
-    scd = SCD(teacher="unused", one_step_frac=0.5, one_step_mid=0.8, teacher_steps=3)
+@pytest.mark.parametrize("solver", ["euler", "heun"])
+def test_the_one_step_target_is_the_teachers_flow_matching_ode_solution_then_the_students_f(solver):
+    """sCD's one_step_frac target, computed independently: Euler (or Heun) steps of the teacher's velocity in
+    flow-matching coordinates (x_s = x_t / c(t), uniform in s) down to one_step_mid, back to TrigFlow, the student's
+    f there."""
+    scd = SCD(teacher="unused", one_step_frac=0.5, one_step_mid=0.8, teacher_steps=3, one_step_solver=solver)
     student, teacher = tiny_dit(seed=1), tiny_dit(seed=2)
     x_t, y = scd.sigma_d * torch.randn(2, 3, 8, 8), torch.tensor([1, 4])
     c = lambda t: math.cos(t) + scd.sigma_d * math.sin(t)  # noqa: E731
@@ -208,7 +210,9 @@ def test_the_one_step_target_is_the_teachers_flow_matching_euler_solution_then_t
     x = x_t / c(scd.t_max)
     with torch.no_grad():
         for s, s_next in zip(s_grid[:-1], s_grid[1:]):
-            x = x + (s_next - s) * teacher(x, s.expand(2), None, y)
+            v = teacher(x, s.expand(2), None, y)
+            x_euler = x + (s_next - s) * v
+            x = x_euler if solver == "euler" else x + (s_next - s) * (v + teacher(x_euler, s_next.expand(2), None, y)) / 2
         f_mid = scd.consistency_fn(student, c(0.8) * x, 0.8, y)
         dx_t = scd.teacher_dxdt(teacher, x_t, torch.full((2,), scd.t_max), y)
         target = scd.one_step_target(student, teacher, x_t, dx_t, y)
@@ -290,6 +294,7 @@ def test_hf_weight_one_step_weighs_the_one_step_share_alone():
         ({"one_step_mid": 2.0}, "one_step_mid must lie in"),
         ({"one_step_mid": None}, "one_step_mid must lie in"),
         ({"teacher_steps": 0}, "teacher_steps must be an int >= 1"),
+        ({"one_step_solver": "rk4"}, "one_step_solver must be 'euler' or 'heun'"),
         ({"one_step_ema": 1.0}, "one_step_ema must be an EMA decay"),
         ({"one_step_ema": "0.99"}, "one_step_ema must be an EMA decay"),
     ],
