@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from benchmarks.toy import GMM, default_gmm, energy_distance, flow_map, linear_velocity, train, trig_velocity
+from benchmarks.toy import GMM, default_gmm, energy_distance, fit, flow_map, linear_velocity, train, trig_velocity
 
 
 def test_linear_flow_map_of_one_gaussian_is_the_affine_map():
@@ -68,3 +68,26 @@ def test_distillation_from_the_exact_velocity_approaches_the_exact_map(objective
     student = train(objective, warmup_steps=30, **small)[-1]
     fm = train("flow_matching", **small)[-1]
     assert student["err1"] < 0.3 and student["err1"] < 0.3 * fm["err1"]
+
+
+@pytest.mark.parametrize("target_decay", [0.9, 0.99])
+def test_the_toy_keeps_an_objectives_target_ema_beside_the_scored_one(target_decay, one_thread, monkeypatch):
+    """sCD's one_step_ema gets an EMA of the student as `ema`: its own copy when the decay differs from the scored
+    EMA's, the scored one when it is the same (a second copy under the same key left the scored EMA unaveraged)."""
+    from benchmarks import toy
+
+    seen = []
+    original = toy.build_objective
+
+    def build(name, **kwargs):
+        objective = original(name, **kwargs)
+        loss = objective.loss
+        objective.loss = lambda *a, ema=None, **k: seen.append(ema) or loss(*a, ema=ema, **k)
+        return objective
+
+    monkeypatch.setattr(toy, "build_objective", build)
+    small = dict(steps=4, eval_every=4, batch=16, hidden=16, n_eval=50, log=lambda _: None, ema=0.99)
+    history, scored = fit("scd", warmup_steps=2, one_step_frac=0.5, teacher_steps=2, one_step_ema=target_decay, **small)
+    assert len(seen) == 4 and all(e is seen[0] and e is not None for e in seen)
+    assert (seen[0] is scored) == (target_decay == 0.99)  # one EMA at a shared decay, the scored one moving
+    assert len(history) == 1
