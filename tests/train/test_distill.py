@@ -78,6 +78,7 @@ def test_the_teacher_stays_frozen_and_the_student_starts_from_it(tmp_path, teach
                 "objective.teacher_steps=2",
                 "objective.one_step_ema=0.98",
                 "objective.hf_weight_one_step=16",
+                "objective.one_step_solver=heun",
             ],
         ),
         ("rcm", []),
@@ -229,7 +230,16 @@ def test_two_processes_distil_as_one(tmp_path, teacher, train_run, name, extra, 
     [
         ("rcm", "fake_score", []),
         ("rcm", "fake_score", ["objective.one_step_frac=0.25", "objective.teacher_steps=2"]),
-        ("rcm", "fake_score", ["objective.one_step_frac=0.25", "objective.one_step_ema=0.98", "objective.hf_weight_one_step=16"]),
+        (
+            "rcm",
+            "fake_score",
+            [
+                "objective.one_step_frac=0.25",
+                "objective.one_step_ema=0.98",
+                "objective.hf_weight_one_step=16",
+                "objective.one_step_solver=heun",
+            ],
+        ),
         ("meanflow_gan", "discriminator", []),
     ],
 )
