@@ -155,7 +155,7 @@ class SCD(SCM):
         return self.consistency_loss(model, x_t, t, dx_t, y, step, target=target, hf_weight=hf_weight)
 
     def one_step_times(self) -> list[float]:
-        """TrigFlow times t_max, ..., one_step_mid of the teacher's Euler steps, uniform in flow-matching time."""
+        """TrigFlow times t_max, ..., one_step_mid of the teacher's ODE steps, uniform in flow-matching time."""
         ends = flow_time(torch.tensor([self.t_max, self.one_step_mid], dtype=torch.float64), self.sigma_d)
         s = torch.linspace(ends[0].item(), ends[1].item(), self.teacher_steps + 1, dtype=torch.float64)
         return torch.atan(s / (self.sigma_d * (1 - s))).tolist()  # tan t = s / (sigma_d (1 - s)) inverts flow_time
