@@ -30,3 +30,19 @@ def check_hf_weight_one_step(hf_weight_one_step: float | None, one_step_frac: fl
             "set objective.one_step_frac > 0 or objective.hf_weight_one_step=null"
         )
     return check_hf_weight(hf_weight_one_step)
+
+
+def check_teacher_steps(teacher_steps: int) -> int:
+    """Steps of a teacher's ODE solver over an interval: an int >= 1."""
+    if isinstance(teacher_steps, bool) or not isinstance(teacher_steps, int) or teacher_steps < 1:
+        raise ValueError(f"teacher_steps must be an int >= 1 (steps of the teacher's ODE solver), got {teacher_steps!r}")
+    return teacher_steps
+
+
+def check_target_ema(ema, decay: float, option: str) -> None:
+    """An objective whose target comes from the model's EMA (`option` names the setting) was handed that EMA."""
+    if ema is None:
+        raise ValueError(
+            f"{option} needs the model's EMA at decay {decay:g} passed to the loss as `ema` "
+            "(the training loop does this when trainer.ema_decays holds that decay)"
+        )

@@ -46,7 +46,7 @@ import math
 
 import torch
 
-from flm.objectives.checks import check_hf_weight_one_step, check_probability
+from flm.objectives.checks import check_hf_weight_one_step, check_probability, check_target_ema, check_teacher_steps
 from flm.objectives.consistency import SCM
 from flm.objectives.dmd import DMDRegularised
 from flm.objectives.frequency import first_k_hf_weight
@@ -99,9 +99,8 @@ class SCD(SCM):
         check_probability("one_step_frac", one_step_frac)
         if not (isinstance(one_step_mid, (int, float)) and 0 < one_step_mid < self.t_max):
             raise ValueError(f"one_step_mid must lie in (0, t_max={self.t_max:.4f}), got {one_step_mid!r}")
-        if isinstance(teacher_steps, bool) or not isinstance(teacher_steps, int) or teacher_steps < 1:
-            raise ValueError(f"teacher_steps must be an int >= 1 (Euler steps of the teacher), got {teacher_steps!r}")
-        self.one_step_frac, self.one_step_mid, self.teacher_steps = float(one_step_frac), float(one_step_mid), teacher_steps
+        self.one_step_frac, self.one_step_mid = float(one_step_frac), float(one_step_mid)
+        self.teacher_steps = check_teacher_steps(teacher_steps)
         if one_step_ema is not None and not (isinstance(one_step_ema, float) and 0 < one_step_ema < 1):
             raise ValueError(f"one_step_ema must be an EMA decay in (0, 1) or null (the model itself), got {one_step_ema!r}")
         # the loop passes the EMA of this decay to loss() as `ema` (flm.train.loop.build_state)
@@ -144,20 +143,22 @@ class SCD(SCM):
             t = torch.cat([t.new_full((k,), self.t_max), t[k:]])
         x_t = self.path.sample(x, torch.randn_like(x), t).x_t
         dx_t = self.teacher_dxdt(teacher, x_t, t, y)
-        if k and self.target_ema_decay is not None and ema is None:
-            raise ValueError(
-                f"objective.one_step_ema={self.target_ema_decay:g} needs the model's EMA at that decay passed to the loss "
-                "as `ema` (the training loop does this when trainer.ema_decays holds it)"
-            )
-        target_net = model if self.target_ema_decay is None else ema
+        target_net = model
+        if k and self.target_ema_decay is not None:
+            check_target_ema(ema, self.target_ema_decay, f"objective.one_step_ema={self.target_ema_decay:g}")
+            target_net = ema
         target = self.one_step_target(target_net, teacher, x_t[:k], dx_t[:k], None if y is None else y[:k]) if k else None
         hf_weight = first_k_hf_weight(len(t), k, self.hf_weight, self.hf_weight_one_step, x.device)
         return self.consistency_loss(model, x_t, t, dx_t, y, step, target=target, hf_weight=hf_weight)
 
-    def one_step_times(self) -> list[float]:
-        """TrigFlow times t_max, ..., one_step_mid of the teacher's ODE steps, uniform in flow-matching time."""
+    def one_step_flow_times(self) -> torch.Tensor:
+        """The flow-matching times s(t_max), ..., s(one_step_mid) of the teacher's ODE steps, uniform (float64)."""
         ends = flow_time(torch.tensor([self.t_max, self.one_step_mid], dtype=torch.float64), self.sigma_d)
-        s = torch.linspace(ends[0].item(), ends[1].item(), self.teacher_steps + 1, dtype=torch.float64)
+        return torch.linspace(ends[0].item(), ends[1].item(), self.teacher_steps + 1, dtype=torch.float64)
+
+    def one_step_times(self) -> list[float]:
+        """The same steps' TrigFlow times t_max, ..., one_step_mid."""
+        s = self.one_step_flow_times()
         return torch.atan(s / (self.sigma_d * (1 - s))).tolist()  # tan t = s / (sigma_d (1 - s)) inverts flow_time
 
     @torch.no_grad()
@@ -165,14 +166,11 @@ class SCD(SCM):
         """F_tgt of the samples at t_max: the teacher's ODE to one_step_mid, then model's f there (module docstring);
         model: the student or its EMA (one_step_ema). The ODE runs in flow-matching coordinates z = x / c(t),
         c(t) = cos t + sigma_d sin t, at the flow-matching times s(t), uniform; its first velocity is read off dx_t."""
-        sigma_d, times = self.sigma_d, self.one_step_times()
+        sigma_d, t_max, s = self.sigma_d, self.t_max, self.one_step_flow_times().tolist()
         c = lambda t: math.cos(t) + sigma_d * math.sin(t)  # noqa: E731
-        s = [sigma_d * math.sin(t) / c(t) for t in times]  # flow_time
         x_t = x_t.float()
-        z = x_t / c(times[0])
-        v = (
-            dx_t.float() * c(times[0]) / sigma_d - (math.cos(times[0]) - math.sin(times[0]) / sigma_d) * x_t
-        )  # inverts trigflow_velocity
+        z = x_t / c(t_max)
+        v = dx_t.float() * c(t_max) / sigma_d - (math.cos(t_max) - math.sin(t_max) / sigma_d) * x_t  # inverts trigflow_velocity
         velocity = lambda z, s_: teacher_velocity(teacher, z, z.new_full((len(z),), s_), y, self.teacher_cfg_scale)  # noqa: E731
         for i in range(self.teacher_steps):
             h = s[i + 1] - s[i]
@@ -182,8 +180,8 @@ class SCD(SCM):
             if self.one_step_solver == "heun":  # the trapezoid with Euler's end: second order, one more forward
                 z_next = z + h * (v + velocity(z_next, s[i + 1])) / 2
             z = z_next
-        f_mid = self.consistency_fn(model, c(times[-1]) * z, times[-1], y)
-        return (math.cos(self.t_max) * x_t - f_mid) / (math.sin(self.t_max) * sigma_d)
+        f_mid = self.consistency_fn(model, c(self.one_step_mid) * z, self.one_step_mid, y)
+        return (math.cos(t_max) * x_t - f_mid) / (math.sin(t_max) * sigma_d)
 
 
 class RCM(DMDRegularised, SCD):

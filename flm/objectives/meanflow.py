@@ -80,7 +80,14 @@ from flm.objectives.guidance import (
     unwrap,
 )
 from flm.objectives.jvp import check_jvp_mode, jvp
-from flm.objectives.checks import check_hf_weight, check_hf_weight_one_step, check_probability, check_std
+from flm.objectives.checks import (
+    check_hf_weight,
+    check_hf_weight_one_step,
+    check_probability,
+    check_std,
+    check_target_ema,
+    check_teacher_steps,
+)
 from flm.objectives.adversarial import AdversarialRegularised
 from flm.objectives.dmd import DMDRegularised
 from flm.objectives.frequency import first_k_hf_weight, squared_error
@@ -264,11 +271,9 @@ class MeanFlow(nn.Module):
                 f"split_target={split_target} needs objective.teacher (a flow-matching run folder or .pt) and "
                 f"objective.split_above (which intervals take it), got teacher={teacher!r}, split_above={split_above!r}"
             )
-        if isinstance(teacher_steps, bool) or not isinstance(teacher_steps, int) or teacher_steps < 1:
-            raise ValueError(f"teacher_steps must be an int >= 1 (Euler steps of the teacher), got {teacher_steps!r}")
         if split_target == "ema" and split_above is None:
             raise ValueError("split_target=ema needs objective.split_above (which intervals take the split target)")
-        self.split_target, self.teacher_steps = split_target, teacher_steps
+        self.split_target, self.teacher_steps = split_target, check_teacher_steps(teacher_steps)
         if split_point not in SPLIT_POINTS:
             raise ValueError(f"unknown split_point {split_point!r}; valid split points: {', '.join(SPLIT_POINTS)}")
         self.split_point = split_point
@@ -376,11 +381,8 @@ class MeanFlow(nn.Module):
         above split_above."""
         k = max(1, math.ceil(self.split_frac * len(t)))
         i = torch.topk(t - r, k).indices  # no host sync: capturable
-        if self.split_target == "ema" and ema is None:
-            raise ValueError(
-                f"split_target=ema needs the model's EMA at decay {self.target_ema_decay} passed to the loss as `ema` "
-                "(the training loop does this when trainer.ema_decays holds that decay)"
-            )
+        if self.split_target == "ema":
+            check_target_ema(ema, self.target_ema_decay, "objective.split_target=ema")
         target, net = {
             "student": (self._split_target, model),
             "ema": (self._split_target, ema),
