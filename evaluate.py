@@ -41,13 +41,15 @@ def run_data(run_cfg: dict, root: str | None) -> DataConfig:
 
 
 def table(results: dict, steps: list[int]) -> str:
-    acc, fd = (any(k.startswith(m) for k in results) for m in ("label_acc", "digit_fd"))
+    acc, fd, faint = (any(k.startswith(m) for k in results) for m in ("label_acc", "digit_fd", "faint"))
     head = "| steps | FID |" + (" label accuracy |" if acc else "") + (" digit FD |" if fd else "")
+    head += " faint pixels |" if faint else ""
     lines = [head, "|---" * head.count("|", 1) + "|"]
     for k in steps:
         row = f"| {k} | {results[f'fid_steps{k}']:.2f} |"
         row += f" {100 * results[f'label_acc_steps{k}']:.2f} % |" if acc else ""
-        lines.append(row + (f" {results[f'digit_fd_steps{k}']:.3f} |" if fd else ""))
+        row += f" {results[f'digit_fd_steps{k}']:.3f} |" if fd else ""
+        lines.append(row + (f" {100 * results[f'faint_steps{k}']:.2f} % |" if faint else ""))
     return "\n".join(lines)
 
 

@@ -230,8 +230,8 @@ def report(results: dict, path: str) -> None:
     lines += [
         "",
         "| run | objective | overrides | training steps | ms/step | GPU s | GPU s with teacher | weights | sampler steps "
-        "| FID | label accuracy | digit FD | FID / best FM 50-step | flow-map error |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| FID | label accuracy | digit FD | faint pixels | FID / best FM 50-step | flow-map error |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     # the ratio's baseline is the best 50-step flow-matching FID in the table (the strictest comparison)
     fm = [
@@ -253,11 +253,13 @@ def report(results: dict, path: str) -> None:
                 acc = f"{100 * acc:.1f} %" if acc is not None else "-"
                 fd = found.get(f"digit_fd_steps{k}")
                 fd = f"{fd:.3f}" if fd is not None else "-"
+                faint = found.get(f"faint_steps{k}")
+                faint = f"{100 * faint:.2f} %" if faint is not None else "-"
                 fme = (r.get("flow_map_error") or {}).get(str(k))
                 fme = "-" if fme is None else f"{fme:.5f}"
                 lines.append(
                     f"| {r['name']} | {r['objective']} | {' '.join(r['overrides']) or '-'} | {r['train_steps']} | "
-                    f"{r['step_ms']:.1f} | {r['gpu_s']:.0f} | {with_teacher} | {weights} | {k} | {fid:.2f} | {acc} | {fd} | {ratio} | {fme} |"
+                    f"{r['step_ms']:.1f} | {r['gpu_s']:.0f} | {with_teacher} | {weights} | {k} | {fid:.2f} | {acc} | {fd} | {faint} | {ratio} | {fme} |"
                 )
     lines += seed_table(results)
     with open(path, "w") as f:

@@ -66,7 +66,7 @@ def test_report_divides_by_the_best_flow_matching_50_step_fid(tmp_path):
         "c": {
             **entry("c", "scd", {1: 12.0, 2: 9.0}),
             "evals": None,
-            "eval": {"results": {"fid_steps1": 12.0, "fid_steps2": 9.0, "digit_fd_steps1": 3.25}},
+            "eval": {"results": {"fid_steps1": 12.0, "fid_steps2": 9.0, "digit_fd_steps1": 3.25, "faint_steps2": 0.0412}},
             "overrides": ["objective.teacher=/tmp/work/b/"],
             "gpu_s": 50.2,
         },
@@ -78,7 +78,8 @@ def test_report_divides_by_the_best_flow_matching_50_step_fid(tmp_path):
     rows = [line for line in (tmp_path / "q.md").read_text().splitlines() if line.startswith("| c ")]
     assert [row.split("|")[-3].strip() for row in rows] == ["1.50", "1.12"]  # 12 / 8 and 9 / 8: against b, not a
     assert all(row.split("|")[-2].strip() == "-" for row in rows)  # no flow-map error measured
-    assert [row.split("|")[-4].strip() for row in rows] == ["3.250", "-"]  # the digit FD where it was measured
+    assert [row.split("|")[-5].strip() for row in rows] == ["3.250", "-"]  # the digit FD where it was measured
+    assert [row.split("|")[-4].strip() for row in rows] == ["-", "4.12 %"]  # the faint pixels' share, likewise
     assert all("| ema |" in row for row in rows)  # an old entry's single evaluation is the run's first EMA
     assert all(row.split("|")[6:8] == [" 50 ", " 251 "] for row in rows)  # its GPU s, and with its teacher b's
 
@@ -110,7 +111,7 @@ def test_seeds_name_the_runs_and_the_report_averages_over_them(tmp_path):
     }
     quality.report(json.loads(json.dumps(results)), tmp_path / "q.md")
     text = (tmp_path / "q.md").read_text()
-    assert "| m_s1 | meanflow_distill | - | 10 | 1.0 | 0 | - | ema0.99 | 1 | 26.00 | - | - | - | 0.05000 |" in text
+    assert "| m_s1 | meanflow_distill | - | 10 | 1.0 | 0 | - | ema0.99 | 1 | 26.00 | - | - | - | - | 0.05000 |" in text
     assert "| m | 3 | ema0.99 | 1 | 23.00 | 20.00-26.00 | 0.04000 (0.03000-0.05000) |" in text
     assert "| m | 3 | ema0.99 | 2 | 10.00 | 10.00-10.00 | 0.01000 (0.01000-0.01000) |" in text
     assert "| single | 1 |" not in text  # one run is no spread
@@ -249,3 +250,29 @@ def test_flow_map_error_samples_a_renoising_objective_on_cuda():
     split = flow_map_error.sample(model, objective, noise, y, steps=2, batch_size=4)
     assert two.shape == noise.shape and two.device.type == "cuda"
     torch.testing.assert_close(two, split, atol=1e-4, rtol=1e-4)  # image k's re-noising depends on its own generator only
+
+
+def test_faint_pixels_reads_grids_and_ranks_runs_against_their_fid(tmp_path, capsys):
+    from flm.train.sampling import save_grid
+
+    faint = load("faint_pixels")
+    gen = torch.Generator().manual_seed(0)
+    base = torch.full((20, 1, 28, 28), -1.0)
+    base[:, :, 10:18, 10:18] = 1.0  # a white square on black: no faint pixels
+    shares = {}
+    for i, (name, std) in enumerate([("a", 0.0), ("b", 0.03), ("c", 0.06)]):
+        images = (base + std * torch.randn(base.shape, generator=gen)).clamp(-1, 1)
+        save_grid(images, str(tmp_path / f"{name}-ema0.99-eval-steps1.png"), nrow=10)
+        (tmp_path / f"{name}-ema0.99-eval.json").write_text(json.dumps({"results": {"fid_steps1": 10.0 * (i + 1)}}))
+        shares[name] = faint.faint_share(images)
+    assert faint.grid_images(str(tmp_path / "c-ema0.99-eval-steps1.png")).shape == (20, 28, 28, 1)
+    table = faint.rows([str(tmp_path)])
+    assert [(r["name"], r["steps"], r["fid"]) for r in table] == [("a", 1, 10.0), ("b", 1, 20.0), ("c", 1, 30.0)]
+    assert [r["faint"] for r in table] == pytest.approx([shares[n] for n in "abc"])  # the PNG holds the 8-bit samples
+    assert shares["a"] == 0 < shares["b"] < shares["c"]
+    assert faint.correlations([1, 2, 3, 4], [10, 30, 20, 40])[1] == pytest.approx(0.8)  # Spearman of ranks
+    from PIL import Image
+
+    Image.new("L", (50, 50)).save(tmp_path / "d-x-steps1.png")
+    with pytest.raises(ValueError, match="not a grid of 28 x 28 images"):
+        faint.grid_images(str(tmp_path / "d-x-steps1.png"))

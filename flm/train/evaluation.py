@@ -20,6 +20,7 @@ from flm import dist
 from flm.data import DataConfig
 from flm.metrics import classifier as digits
 from flm.metrics import fid
+from flm.metrics.pixels import faint_share_per_image
 from flm.train.sampling import class_labels, generate, save_grid
 
 
@@ -116,14 +117,14 @@ class Evaluator:
 
     @torch.no_grad()
     def __call__(self, model, objective) -> dict:
-        """{"fid_steps<k>": ..., and on MNIST "label_acc_steps<k>": ..., "digit_fd_steps<k>": ...} for every step
-        count, on rank 0 ({} elsewhere)."""
+        """{"fid_steps<k>": ..., and on MNIST "label_acc_steps<k>", "digit_fd_steps<k>" and "faint_steps<k>" (the
+        share of faint pixels, flm.metrics.pixels)} for every step count, on rank 0 ({} elsewhere)."""
         world, rank = dist.world_size(), dist.rank()
         per_rank = -(-self.n // world)  # equal blocks; the few images past n are dropped after the gather
         labels = class_labels(per_rank * world, self.num_classes)
         results = {}
         for steps in self.steps:
-            feats, correct, digit_feats = [], [], []
+            feats, correct, digit_feats, faint = [], [], [], []
             for lo in range(rank * per_rank, (rank + 1) * per_rank, self.batch_size):
                 hi = min(lo + self.batch_size, (rank + 1) * per_rank)
                 y = None if labels is None else labels[lo:hi]
@@ -147,16 +148,19 @@ class Evaluator:
                     digit_f, predicted = digits.read(images, classifier=self.classifier, batch_size=self.batch_size)
                     correct.append((predicted == y.to(predicted.device)).float())
                     digit_feats.append(digit_f)
+                    faint.append(faint_share_per_image(images))
             feats = dist.all_gather_cat(torch.cat(feats))[: self.n]
             if self.classifier is not None:
                 accuracy = dist.all_gather_cat(torch.cat(correct))[: self.n].mean()
                 digit_feats = dist.all_gather_cat(torch.cat(digit_feats))[: self.n]
+                faint = dist.all_gather_cat(torch.cat(faint).to(self.device))[: self.n].mean()
             if dist.is_main():
                 mu, sigma = fid.moments(feats)
                 results[f"fid_steps{steps}"] = fid.frechet_distance(mu, sigma, self.reference.mu, self.reference.sigma)
                 if self.classifier is not None:
                     results[f"label_acc_steps{steps}"] = accuracy.item()
                     results[f"digit_fd_steps{steps}"] = fid.frechet_distance(*fid.moments(digit_feats), *self.digit_reference)
+                    results[f"faint_steps{steps}"] = faint.item()
         return results
 
 

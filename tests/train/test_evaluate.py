@@ -54,9 +54,9 @@ def test_evaluate_from_the_command_line(run, tmp_path):
     )
     assert rc == 0, err
     report = json.loads(out.read_text())
-    assert set(report["results"]) == {f"{m}_steps{k}" for m in ("fid", "label_acc", "digit_fd") for k in (1, 2)}
+    assert set(report["results"]) == {f"{m}_steps{k}" for m in ("fid", "label_acc", "digit_fd", "faint") for k in (1, 2)}
     assert all(np.isfinite(v) for v in report["results"].values()) and report["n"] == 12
-    assert "| steps | FID | label accuracy | digit FD |" in stdout and "| 2 |" in stdout
+    assert "| steps | FID | label accuracy | digit FD | faint pixels |" in stdout and "| 2 |" in stdout
     assert not list(tmp_path.glob("*.png"))  # grids only when asked for
 
 
@@ -95,6 +95,7 @@ def test_scores_do_not_depend_on_the_batch_size(run):
     assert scores[0]["fid_steps1"] == pytest.approx(scores[1]["fid_steps1"], rel=1e-5)
     assert scores[0]["label_acc_steps1"] == scores[1]["label_acc_steps1"]
     assert scores[0]["digit_fd_steps1"] == pytest.approx(scores[1]["digit_fd_steps1"], rel=1e-4)
+    assert scores[0]["faint_steps1"] == pytest.approx(scores[1]["faint_steps1"])
 
 
 def test_objective_is_rebuilt_from_names_only(run):
