@@ -227,6 +227,25 @@ def test_fid_sanity_perturbations_damage_by_the_stated_amounts():
     torch.testing.assert_close(rows["3 x 3 binomial blur"], x)
 
 
+def test_fid_sanity_faint_perturbations_raise_only_black_pixels_to_faint_levels():
+    """Speckle at rate p raises about p of the black pixels to levels 5-15; the halo raises exactly the black pixels
+    next to a stroke; nothing else moves."""
+    from flm.metrics.pixels import faint_share_per_image, to_levels
+
+    x = torch.full((64, 1, 16, 16), -1.0)
+    x[:, :, 6:10, 6:10] = 1.0  # a 4 x 4 stroke
+    rows = dict(load("fid_sanity").faint_perturbations(x))
+    assert next(iter(rows)) == "clean" and rows["clean"] is x
+    black = to_levels(x) == 0
+    for name, y in rows.items():
+        levels = to_levels(y)
+        assert torch.equal(levels[~black], to_levels(x)[~black]), name  # strokes untouched
+        assert ((levels[black] == 0) | ((levels[black] >= 5) & (levels[black] <= 15))).all(), name
+    speckled = faint_share_per_image(rows["faint speckle, 10 % of the black pixels"]).mean().item()
+    assert speckled == pytest.approx(0.1 * black.float().mean().item(), rel=0.1)
+    halo = faint_share_per_image(rows["faint halo, every black pixel next to a stroke"])
+    assert torch.equal(halo, torch.full((64,), (36 - 16) / 256))  # the 6 x 6 ring around the 4 x 4 stroke
+
 def test_quality_steady_step_ms_is_the_median_after_the_first_window(tmp_path):
     """The first window (compilation, capture) and a short slow last window do not set a run's step time."""
     ms = [108.0, 55.2, 55.0, 55.6, 58.6]

@@ -11,7 +11,8 @@ digits under DATA/MNIST/raw, seeded, so they can be reproduced; the test split s
 (10,000 digits) is left for measuring. A LeNet-sized network is enough: label accuracy is a coarse
 check (does a "3" look like a 3), and FID measures the rest. The digit Fréchet distance (`digit_fd_steps<k>` in
 evaluate.py's results) is FID's formula on this network's 64 last hidden features against the test digits': a measure
-of the same kind that costs no Inception network, for screening on the CPU once it is shown to rank runs as FID does.
+of the same kind that costs no Inception network. It sees the digits' shapes and does not rank H200 runs as FID does
+(docs/quality.md, fourteenth day); the share of faint pixels (flm.metrics.pixels) does.
 """
 
 import argparse
