@@ -246,6 +246,7 @@ def test_fid_sanity_faint_perturbations_raise_only_black_pixels_to_faint_levels(
     halo = faint_share_per_image(rows["faint halo, every black pixel next to a stroke"])
     assert torch.equal(halo, torch.full((64,), (36 - 16) / 256))  # the 6 x 6 ring around the 4 x 4 stroke
 
+
 def test_quality_steady_step_ms_is_the_median_after_the_first_window(tmp_path):
     """The first window (compilation, capture) and a short slow last window do not set a run's step time."""
     ms = [108.0, 55.2, 55.0, 55.6, 58.6]
