@@ -2,9 +2,11 @@
 
 On MNIST the digits sit on an exactly black background, and what a few-step sample gets wrong is mostly
 faint stray pixels: a halo at the strokes and, in the worse samples, speckle over the background. Over the
-H200 runs of docs/quality.md (100 grid images per run, 88 evaluations with FID < 60) this share ranks the runs
+H200 runs of docs/quality.md (100 grid images per run, 86 evaluations with FID < 60) this share ranks the runs
 as FID does (Spearman 0.94; `benchmarks/faint_pixels.py`), where the digit classifier's Fréchet distance does
-not. The 10,000 MNIST test digits have 0.81 % of their pixels in 5-15.
+not. The cause is the speckle: added to real digits, faint pixels on 2 % of the black background cost 26 FID,
+a halo at the strokes with four times as many 3 (`benchmarks/fid_sanity.py --perturb faint`). The 10,000 MNIST
+test digits have 0.81 % of their pixels in 5-15.
 
     from flm.metrics.pixels import faint_share
     faint_share(images)      # images in [-1, 1] (N, C, H, W), or uint8 (N, H, W, C) from sample.py's .npz
