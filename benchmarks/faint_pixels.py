@@ -1,7 +1,7 @@
-"""Does the share of faint pixels rank MNIST runs as FID does? Reads a folder of evaluations (quality.json and
-evaluate.py's *-eval.json, which give the FIDs) and the grids evaluate.py wrote beside them (NAME-...-steps<k>.png:
-the first 100 scored images, labels cycling 0-9), and prints per (run, sampler steps): FID, the grid's share of
-pixels at 8-bit levels 5-15 (flm.metrics.pixels), and the digit FD where it was measured; then the Pearson and
+"""Does the share of faint pixels rank MNIST runs as FID does? Reads the grids evaluate.py wrote (STEM-steps<k>.png:
+the first 100 scored images, labels cycling 0-9) and the FIDs of the evaluation beside each (STEM.json), and
+prints per grid: FID, the grid's share of pixels at 8-bit levels 5-15 (flm.metrics.pixels), and the digit FD
+where it was measured; then the Pearson and
 Spearman correlations with FID over the evaluations whose FID is below --max-fid (runs that make digits), and the
 MNIST test digits' own share.
 
@@ -18,33 +18,10 @@ import numpy as np
 import torch
 from PIL import Image
 
+from flm.metrics.classifier import mnist_test_digits
 from flm.metrics.pixels import FAINT, faint_share
 
-GRID = re.compile(r"(?P<name>.+?)-.*steps(?P<steps>\d+)\.png$")
-FID = re.compile(r"fid_steps(\d+)$")
-
-
-def scores(folder: str) -> dict:
-    """{(run name, sampler steps): {"fid": ..., "digit_fd": ...}} from quality.json and *-eval.json in `folder`."""
-    found = {}
-
-    def add(name: str, results: dict) -> None:
-        for key, value in results.items():
-            m = FID.match(key)
-            if m:
-                k = int(m.group(1))
-                found[(name, k)] = {"fid": value, "digit_fd": results.get(f"digit_fd_steps{k}")}
-
-    quality = os.path.join(folder, "quality.json")
-    if os.path.exists(quality):
-        with open(quality) as f:
-            for name, entry in json.load(f).items():
-                for report in [*(entry.get("evals") or {}).values(), *([entry["eval"]] if entry.get("eval") else [])]:
-                    add(name, report.get("results") or {})
-    for path in sorted(glob.glob(os.path.join(folder, "*-eval.json"))):
-        with open(path) as f:
-            add(os.path.basename(path).split("-")[0], json.load(f).get("results") or {})
-    return found
+GRID = re.compile(r"(?P<stem>(?P<name>[^-]+).*)-steps(?P<steps>\d+)\.png$")
 
 
 def grid_images(path: str, size: int = 28, pad: int = 2) -> torch.Tensor:
@@ -72,18 +49,22 @@ def correlations(a, b) -> tuple[float, float]:
 
 
 def rows(folders: list[str]) -> list[dict]:
-    """One row per grid that has a FID: name, steps, fid, digit_fd (or None), faint (share of the grid's pixels)."""
-    found, grids = {}, {}
-    for folder in folders:
-        found.update(scores(folder))
-        for path in sorted(glob.glob(os.path.join(folder, "*.png"))):
-            m = GRID.match(os.path.basename(path))
-            if m:
-                grids.setdefault((m.group("name"), int(m.group("steps"))), path)  # the first folder's grid wins
+    """One row per grid STEM-steps<k>.png whose evaluation STEM.json (evaluate.py writes both) holds fid_steps<k>:
+    name (the run, STEM up to its first "-"), steps, fid, digit_fd (or None), faint (share of the grid's pixels)."""
     out = []
-    for key, path in grids.items():
-        if key in found:
-            out.append({"name": key[0], "steps": key[1], **found[key], "faint": faint_share(grid_images(path))})
+    for folder in folders:
+        for path in sorted(glob.glob(os.path.join(folder, "*-steps*.png"))):
+            m = GRID.match(os.path.basename(path))
+            report = os.path.join(folder, f"{m.group('stem')}.json") if m else None
+            if not (report and os.path.exists(report)):
+                continue
+            with open(report) as f:
+                results, k = json.load(f).get("results") or {}, int(m.group("steps"))
+            if f"fid_steps{k}" in results:
+                fid, fd = results[f"fid_steps{k}"], results.get(f"digit_fd_steps{k}")
+                out.append(
+                    {"name": m.group("name"), "steps": k, "fid": fid, "digit_fd": fd, "faint": faint_share(grid_images(path))}
+                )
     return sorted(out, key=lambda r: r["fid"])
 
 
@@ -111,12 +92,7 @@ def main():
         print(f"- digit FD: Pearson {pearson:.3f}, Spearman {spearman:.3f} ({len(with_fd)} evaluations)")
         pearson, spearman = correlations([r["fid"] for r in with_fd], [r["faint"] for r in with_fd])
         print(f"- faint pixels on the same evaluations: Pearson {pearson:.3f}, Spearman {spearman:.3f}")
-    try:
-        from flm.metrics.classifier import mnist_test_digits
-
-        print(f"- the 10,000 MNIST test digits: {100 * faint_share(mnist_test_digits()):.2f} % faint pixels")
-    except (OSError, ValueError) as e:  # the shipped test digits are missing from a trimmed install
-        print(f"- the MNIST test digits' share not computed: {e}")
+    print(f"- the 10,000 MNIST test digits: {100 * faint_share(mnist_test_digits()):.2f} % faint pixels")
 
 
 if __name__ == "__main__":

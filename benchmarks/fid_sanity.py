@@ -19,7 +19,7 @@ import torch
 
 from flm.data import build_dataset
 from flm.metrics.fid import features, frechet_distance, load_inception, moments, reference_stats
-from flm.metrics.images import as_float_images
+from flm.metrics.images import as_float_images, to_levels
 from flm.metrics.pixels import faint_share
 from flm.objectives.frequency import high_pass
 
@@ -46,7 +46,7 @@ def faint_perturbations(x: torch.Tensor, seed: int = 0):
     clean; speckle, each black pixel with probability p; a halo, the black pixels next to a stroke (level >= 128,
     3 x 3 neighbourhood); half of that halo."""
     gen = torch.Generator().manual_seed(seed)
-    levels = ((x + 1) * 127.5).round().clamp(0, 255)
+    levels = to_levels(x)
     black = levels == 0
     faint = torch.randint(5, 16, x.shape, generator=gen).float()
     coin = torch.rand(x.shape, generator=gen)

@@ -230,7 +230,8 @@ def test_fid_sanity_perturbations_damage_by_the_stated_amounts():
 def test_fid_sanity_faint_perturbations_raise_only_black_pixels_to_faint_levels():
     """Speckle at rate p raises about p of the black pixels to levels 5-15; the halo raises exactly the black pixels
     next to a stroke; nothing else moves."""
-    from flm.metrics.pixels import faint_share_per_image, to_levels
+    from flm.metrics.images import to_levels
+    from flm.metrics.pixels import faint_share_per_image
 
     x = torch.full((64, 1, 16, 16), -1.0)
     x[:, :, 6:10, 6:10] = 1.0  # a 4 x 4 stroke

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from flm.files import write_atomically
-from flm.metrics.images import as_float_images
+from flm.metrics.images import as_float_images, to_levels
 
 INCEPTION_ENV = "FLM_FID_INCEPTION"
 CACHE_ENV = "FLM_FID_CACHE"
@@ -98,7 +98,7 @@ def load_inception(path: str | None = None, device="cpu") -> FeatureNet:
 
 def prepare(x: torch.Tensor, size: int) -> torch.Tensor:
     """[-1, 1] (N, C, H, W) float -> (N, 3, size, size) float32, as saved 8-bit images are prepared."""
-    x = ((x.float() + 1) * 127.5).round().clamp(0, 255) / 127.5 - 1
+    x = to_levels(x) / 127.5 - 1
     if x.shape[1] == 1:
         x = x.expand(-1, 3, -1, -1)
     elif x.shape[1] != 3:

@@ -15,3 +15,9 @@ def as_float_images(images) -> torch.Tensor:
     if not x.is_floating_point():
         raise ValueError(f"images must be floats in [-1, 1] or uint8, got {x.dtype}")
     return x
+
+
+def to_levels(images) -> torch.Tensor:
+    """Float 8-bit levels (N, C, H, W) in 0-255 of images in either layout, rounded as a saved sample is: the one
+    quantisation that sample.py's files, the grids, FID's input and the faint-pixel share share."""
+    return ((as_float_images(images).float() + 1) * 127.5).round().clamp(0, 255)

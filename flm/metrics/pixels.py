@@ -2,7 +2,7 @@
 
 On MNIST the digits sit on an exactly black background, and what a few-step sample gets wrong is mostly
 faint stray pixels: a halo at the strokes and, in the worse samples, speckle over the background. Over the
-H200 runs of docs/quality.md (100 grid images per run, 86 evaluations with FID < 60) this share ranks the runs
+H200 runs of docs/quality.md (100 grid images per run, 88 evaluations with FID < 60) this share ranks the runs
 as FID does (Spearman 0.94; `benchmarks/faint_pixels.py`), where the digit classifier's Fréchet distance does
 not. The cause is the speckle: added to real digits, faint pixels on 2 % of the black background cost 26 FID,
 a halo at the strokes with four times as many 3 (`benchmarks/fid_sanity.py --perturb faint`). The 10,000 MNIST
@@ -14,14 +14,9 @@ test digits have 0.81 % of their pixels in 5-15.
 
 import torch
 
-from flm.metrics.images import as_float_images
+from flm.metrics.images import to_levels
 
 FAINT = (5, 15)  # inclusive 8-bit range: above the rounding noise of black (1-4), below any stroke's edge
-
-
-def to_levels(images) -> torch.Tensor:
-    """8-bit levels (N, C, H, W) of images, rounded as flm.train.sampling.to_uint8 rounds a sample."""
-    return ((as_float_images(images).float() + 1) * 127.5).round().clamp(0, 255)
 
 
 def faint_share_per_image(images, faint: tuple[int, int] = FAINT) -> torch.Tensor:

@@ -7,6 +7,7 @@ import numpy as np
 import torch
 
 from flm.files import write_atomically
+from flm.metrics.images import to_levels
 from flm.objectives.paths import randn_per_image
 
 
@@ -61,7 +62,7 @@ def generate(
 
 def to_uint8(images: torch.Tensor) -> np.ndarray:
     """[-1, 1] (N, C, H, W) float -> uint8 (N, H, W, C)."""
-    return ((images + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).numpy()
+    return to_levels(images).to(torch.uint8).permute(0, 2, 3, 1).numpy()
 
 
 def save_grid(images: torch.Tensor, path: str, nrow: int | None = None) -> None:
