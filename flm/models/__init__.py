@@ -6,11 +6,12 @@ model = ModelConfig(name="DiT-B/2", attention="triton_jvp").build(input_size=32,
 """
 
 import dataclasses
+import inspect
 
 import torch
 
 from flm.attention import BACKENDS, get_attention
-from flm.models.dit import MODEL_SIZES, DiT
+from flm.models.dit import MODEL_SIZES, PREDICTIONS, DiT, check_prediction
 from flm.typed import check_fields
 
 # build_model options that do not change the weights: a resume, sample.py or evaluate.py may choose anew
@@ -26,13 +27,16 @@ def build_model(
     time_inputs: int = 1,
     time_scale: float = 1.0,
     attention: str = "auto",
+    prediction: str = "velocity",
 ) -> DiT:
     """A DiT of size `name` (a key of MODEL_SIZES, e.g. "DiT-B/2").
 
     input_size: image side in pixels or latent cells (divisible by the patch size);
     num_classes: 0 for unconditional, else labels 0..num_classes-1 plus the null class num_classes;
     time_inputs: 1 (t) or 2 (t, r: MeanFlow); time_scale: the time embedding's sinusoids are of
-    time_scale * t (1: the objective's units; DiT's diffusion code used 1000); attention: a flm.attention backend name or "auto".
+    time_scale * t (1: the objective's units; DiT's diffusion code used 1000); attention: a flm.attention backend name or "auto";
+    prediction: "velocity", or "data" (the network predicts the clean image, forward returns the linear path's velocity;
+    flm.models.dit).
     """
     check_name(name)
     depth, hidden, heads, patch = MODEL_SIZES[name]
@@ -47,7 +51,14 @@ def build_model(
         time_inputs=time_inputs,
         time_scale=time_scale,
         attention=attention,
+        prediction=prediction,
     )
+
+
+def complete_args(args: dict) -> dict:
+    """model_args with build_model's defaults for the keys they lack (a checkpoint written before an option existed)."""
+    params = inspect.signature(build_model).parameters.values()
+    return {**{p.name: p.default for p in params if p.default is not inspect.Parameter.empty}, **args}
 
 
 def check_name(name: str) -> None:
@@ -64,10 +75,12 @@ class ModelConfig:
     name: str = "DiT-Ti/7"
     time_scale: float = 1.0
     attention: str = "auto"  # a flm.attention backend, or auto (the fastest that runs here)
+    prediction: str = "velocity"  # or data: the network predicts the clean image (linear-path objectives)
 
     def __post_init__(self):
         check_fields(self, "model")
         check_name(self.name)
+        check_prediction(self.prediction)
         if self.attention != "auto":
             get_attention(self.attention)  # an unknown name lists the valid ones
 
@@ -88,4 +101,4 @@ class ModelConfig:
             get_attention(self.attention).check_available(device, dtype or torch.float32, hidden // heads)
 
 
-__all__ = ["BACKENDS", "DiT", "MODEL_SIZES", "ModelConfig", "RUNTIME_OPTIONS", "build_model"]
+__all__ = ["BACKENDS", "DiT", "MODEL_SIZES", "PREDICTIONS", "ModelConfig", "RUNTIME_OPTIONS", "build_model", "complete_args"]

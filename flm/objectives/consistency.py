@@ -92,6 +92,7 @@ class SCM(nn.Module):
 
     time_inputs = 1
     sample_steps = 2
+    predictions = ("velocity",)  # F lives on TrigFlow's path; a data prediction is the linear path's (flm.models.dit)
     networks = NO_NETWORKS
 
     def __init__(

@@ -46,6 +46,7 @@ import math
 
 import torch
 
+from flm.models.dit import PREDICTIONS
 from flm.objectives.checks import check_hf_weight_one_step, check_probability, check_target_ema, check_teacher_steps
 from flm.objectives.consistency import SCM
 from flm.objectives.dmd import DMDRegularised
@@ -81,6 +82,8 @@ class SCD(SCM):
             "heun" (second order, 2 teacher_steps - 1 forwards).
         **kwargs: SCM's (sigma_d, p_mean, p_std, tangent_c, warmup_steps, ...).
     """
+
+    predictions = PREDICTIONS  # the student is a flow-matching network, read through the time conversion
 
     def __init__(
         self,

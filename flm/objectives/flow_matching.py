@@ -14,7 +14,8 @@ from torch import nn
 
 from flm.objectives.guidance import check_cfg, check_interval, drop_labels, guided
 from flm.objectives.checks import check_probability, check_std
-from flm.objectives.paths import LinearPath, logit_normal, time_grid
+from flm.objectives.paths import LinearPath, bcast, logit_normal, time_grid
+from flm.models.dit import PREDICTIONS
 from flm.objectives.protocol import NO_NETWORKS
 
 SAMPLERS = ("euler", "heun")
@@ -29,12 +30,16 @@ class FlowMatching(nn.Module):
             when labels are given, the class count is read from the model (`model.num_classes`).
         sampler: "euler" (steps evaluations) or "heun" (2 * steps evaluations) for `sample`.
         cfg_interval: [t_min, t_max], guide only there (flm.objectives.guidance); null: at every t.
+        loss_t_min: samples with t < loss_t_min weigh (t / loss_t_min)^2 in the loss. A data-predicting model
+            (model.prediction=data) has velocity error ||x^ - x||^2 / t^2, whose weight this caps at 1 / loss_t_min^2 (JiT's
+            clip, 0.05; uncapped, the rare t near 0 make the loss spike). 0: none (the velocity model's plain loss).
 
     No parameters or state; it is an nn.Module so that every objective moves and saves alike.
     """
 
     time_inputs = 1
     sample_steps = 50
+    predictions = PREDICTIONS
     networks = NO_NETWORKS
 
     def __init__(
@@ -45,6 +50,7 @@ class FlowMatching(nn.Module):
         label_dropout: float = 0.1,
         sampler: str = "euler",
         cfg_interval: tuple[float, float] | None = None,
+        loss_t_min: float = 0.0,
     ):
         super().__init__()
         check_std("t_std", t_std)
@@ -53,6 +59,9 @@ class FlowMatching(nn.Module):
             raise ValueError(f"unknown sampler {sampler!r}; valid samplers: {', '.join(SAMPLERS)}")
         self.t_mean, self.t_std, self.label_dropout, self.sampler = t_mean, t_std, label_dropout, sampler
         self.cfg_interval = check_interval(cfg_interval)
+        if not 0.0 <= loss_t_min < 1.0:
+            raise ValueError(f"loss_t_min must be in [0, 1) (0: no cap; 0.05 for model.prediction=data), got {loss_t_min!r}")
+        self.loss_t_min = loss_t_min
         self.path = LinearPath()
 
     def loss(self, model, x, y=None, *, step: int = 0):
@@ -60,7 +69,10 @@ class FlowMatching(nn.Module):
         t = logit_normal(x.shape[0], self.t_mean, self.t_std, device=x.device)
         s = self.path.sample(x, torch.randn_like(x), t)
         v = model(s.x_t, t, None, y)
-        loss = (v.float() - s.dx_t).square().mean()
+        error = (v.float() - s.dx_t).square()
+        if self.loss_t_min > 0:
+            error = error * bcast((t / self.loss_t_min).clamp_max(1.0).square(), error)
+        loss = error.mean()
         return loss, {"loss": loss.detach()}
 
     @torch.no_grad()

@@ -35,6 +35,7 @@ SHARED_ARGS = {
     "num_classes": "class count",
     "name": "model size",
     "time_scale": "time scale",
+    "prediction": "prediction",
 }
 
 
@@ -85,6 +86,7 @@ def feature_blocks(depth: int, blocks, option: str) -> tuple[int, ...]:
 def check_teacher(source: str, bundle: dict, student_args: dict) -> dict:
     """The teacher's model_args; a ValueError naming what is wrong when it is not a flow-matching
     checkpoint of a network like the student's."""
+    from flm.models import complete_args
     from flm.train.config import plain  # flm.train imports flm.objectives
 
     objective = ((bundle.get("config") or {}).get("objective") or {}).get("name")
@@ -93,7 +95,7 @@ def check_teacher(source: str, bundle: dict, student_args: dict) -> dict:
             f"teacher {source!r} was trained with objective {objective!r}, not flow_matching; distil a "
             f"flow-matching run (python train.py experiment=mnist_flow_matching)"
         )
-    args = plain(bundle["model_args"], f"{source}: model_args")
+    args, student_args = complete_args(plain(bundle["model_args"], f"{source}: model_args")), complete_args(student_args)
     diff = [
         f"{label} {args.get(k)!r} vs the student's {student_args.get(k)!r}"
         for k, label in SHARED_ARGS.items()
@@ -103,7 +105,7 @@ def check_teacher(source: str, bundle: dict, student_args: dict) -> dict:
         raise ValueError(
             f"teacher {source!r} does not fit the student ({'; '.join(diff)}); the student starts from "
             f"the teacher's weights: pass the model=, data= and trainer.class_conditional options the "
-            f"teacher was trained with (model={args.get('name')})"
+            f"teacher was trained with (model={args.get('name')} model.prediction={args.get('prediction')})"
         )
     return args
 

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from flm.files import write_atomically
-from flm.models import RUNTIME_OPTIONS
+from flm.models import RUNTIME_OPTIONS, complete_args
 
 FORMAT = 1
 _NAME = re.compile(r"ckpt-(\d+)\.pt$")
@@ -132,6 +132,7 @@ def load(path: str) -> dict:
 
 def check_model_args(path: str, saved: dict, current: dict) -> None:
     """Raise a clear error when the checkpoint was written for another model than the one built now."""
+    saved, current = complete_args(saved), complete_args(current)
     diff = {
         k: (saved.get(k), current.get(k))
         for k in sorted(set(saved) | set(current))

@@ -51,7 +51,15 @@ from flm.train.graphs import GraphedStep
 from flm.train.optim import OptimConfig, Optimizer, with_decay_steps
 from flm.train.parallel import grad_sync, wrap, wrap_copy, wrapper_syncs
 from flm.train.sampling import class_labels, generate, save_grid
-from flm.train.settings import TrainerConfig, amp_dtype, check_compile, check_cuda_graph, local_batch_size, takes_jvp
+from flm.train.settings import (
+    TrainerConfig,
+    amp_dtype,
+    check_compile,
+    check_cuda_graph,
+    check_prediction,
+    local_batch_size,
+    takes_jvp,
+)
 from flm.train.state import TrainState, key
 
 
@@ -294,6 +302,7 @@ def train(
     if trainer.cuda_graph:
         check_cuda_graph(trainer, device, world)
     check_compile(trainer, objective, world, model.attention)
+    check_prediction(objective, model.prediction)
     resume_from = checkpoint.resolve_resume(trainer.resume, run_dir)
 
     run = open_data(data, trainer, micro_batch, device, config or {})

@@ -101,6 +101,16 @@ def takes_jvp(objective) -> bool:
     return hasattr(objective, "jvp_mode")
 
 
+def check_prediction(objective, prediction: str) -> None:
+    """model.prediction=data is the linear path's parameterisation; an objective on another path refuses it."""
+    if prediction not in objective.predictions:
+        raise ValueError(
+            f"model.prediction={prediction} does not fit objective {type(objective).__name__}, whose model predicts "
+            f"{' or '.join(objective.predictions)} (a data prediction is returned as the linear path's velocity; sCM's F "
+            f"lives on TrigFlow's path); pass model.prediction=velocity"
+        )
+
+
 def check_compile(trainer: TrainerConfig, objective, world: int, attention: str) -> None:
     """trainer.compile=true compiles a JVP objective's loss, which Dynamo traces only through torch.func.jvp, and
     with math attention: inductor fails in the backward of the fused JVP kernel's op (torch 2.14.1, CPU

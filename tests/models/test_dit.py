@@ -10,6 +10,8 @@ import torch
 from torch.autograd import forward_ad
 
 from flm.models import MODEL_SIZES, build_model
+from flm.models.dit import T_MIN
+from flm.objectives import MeanFlow
 from tests.models.tiny import plain_layers, tiny_dit, with_backend
 
 
@@ -56,6 +58,26 @@ def test_time_scale_scales_the_embedded_time_and_its_derivative():
     assert dt_b.abs().mean() > 30 * dt_a.abs().mean()  # what the 1000 t of DiT's diffusion code did to MeanFlow
 
 
+def test_a_data_prediction_is_returned_as_the_linear_paths_velocity():
+    """prediction=data: forward gives (x_t - x^) / t (t = 0: T_MIN), x^ being what the same weights output as velocity."""
+    velocity = tiny_dit(time_inputs=2)
+    data = copy.deepcopy(velocity)
+    data.prediction = "data"
+    x, t, r, y = torch.randn(3, 3, 8, 8), torch.tensor([1.0, 0.02, 0.0]), torch.tensor([0.0, 0.01, 0.0]), torch.tensor([1, 2, 3])
+    x_hat = velocity(x, t, r, y)
+    torch.testing.assert_close(data(x, t, r, y), (x - x_hat) / torch.tensor([1.0, 0.02, T_MIN]).reshape(3, 1, 1, 1))
+    # MeanFlow's one-step sample z - u(z, 0, 1) is x^ itself
+    x_hat_1 = velocity(x, torch.ones(3), torch.zeros(3), y)
+    torch.testing.assert_close(MeanFlow().sample(data, x, y, steps=1), x_hat_1)
+    # and d/dt along the path's tangent goes through the division
+    tx = torch.randn_like(x)
+    _, tangent = torch.func.jvp(lambda x_, t_: data(x_, t_, r, y), (x, t), (tx, torch.ones_like(t)))
+    _, dx_hat = torch.func.jvp(lambda x_, t_: velocity(x_, t_, r, y), (x, t), (tx, torch.ones_like(t)))
+    t_ = t[:2].reshape(2, 1, 1, 1)
+    expected = (tx[:2] - dx_hat[:2]) / t_ - (x[:2] - x_hat[:2]) / t_**2
+    torch.testing.assert_close(tangent[:2], expected, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize(
     "build,call,match",
     [
@@ -63,6 +85,7 @@ def test_time_scale_scales_the_embedded_time_and_its_derivative():
         (dict(input_size=9), None, "input_size 9 is not divisible by the patch size 2"),
         (dict(time_inputs=3), None, "time_inputs must be 1"),
         (dict(time_scale=0.0), None, "time_scale must be > 0"),
+        (dict(prediction="x"), None, "unknown prediction 'x'; valid: velocity, data"),
         (dict(), dict(y=torch.tensor([0, 11])), r"labels y must lie in \[0, 10\]"),
         (dict(), dict(y=torch.tensor([-1, 0])), r"labels y must lie in \[0, 10\]"),
         (dict(num_classes=0), dict(y=torch.tensor([0, 1])), "unconditional model; build it with num_classes > 0"),

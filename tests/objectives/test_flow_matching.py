@@ -3,6 +3,7 @@
 python -m pytest tests/objectives/test_flow_matching.py -q
 """
 
+import pytest
 import torch
 
 from flm.objectives import FlowMatching
@@ -40,3 +41,17 @@ def test_classifier_free_guidance_combines_cond_and_null():
     x = FlowMatching().sample(LabelVelocity(), noise, y, steps=1, cfg_scale=2.5)
     # one Euler step from t=1 to 0: x = -(null + 2.5 (cond - null)), null velocity 0, cond y + 1
     torch.testing.assert_close(x[:, 0, 0, 0], -2.5 * torch.tensor([1.0, 3.0]))
+
+
+def test_loss_t_min_caps_the_weight_of_small_t():
+    """An offset of 0.3 in the velocity costs 0.09 at every t >= loss_t_min and 0.09 (t / loss_t_min)^2 below it."""
+    x = torch.full((4096, 1, 2, 2), 0.7)
+    torch.manual_seed(0)
+    t = torch.sigmoid(torch.randn(4096))  # the draw FlowMatching().loss makes after the same seed
+    torch.manual_seed(0)
+    capped, _ = FlowMatching(loss_t_min=0.5).loss(PointMassVelocity(a=0.7, offset=0.3), x)
+    torch.testing.assert_close(capped, 0.09 * (t / 0.5).clamp_max(1).square().mean(), rtol=1e-4, atol=0)
+    assert capped < 0.09 * 0.8  # a quarter of logit-normal(0, 1)'s t lie below 0.5
+    for bad in (-0.1, 1.0):
+        with pytest.raises(ValueError, match="loss_t_min must be in"):
+            FlowMatching(loss_t_min=bad)

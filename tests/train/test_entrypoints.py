@@ -69,11 +69,13 @@ def test_bad_value_is_one_line_and_leaves_nothing(tmp_path):
         ("optim.lr=inf", "optim.lr must be a finite number > 0, got inf"),
         ("trainer.grad_accum=3", "trainer.batch_size=4 is not divisible by world size x grad_accum = 1 x 3"),
         ("data=mnist", "does not exist"),
+        ("model.prediction=eps", "unknown prediction 'eps'; valid: velocity, data"),
+        ("objective=scm model.prediction=data", "model.prediction=data does not fit objective SCM"),
     ],
 )
 def test_bad_values(tmp_path, train_run, override, expected):
     extra = ["data.root=" + str(tmp_path / "missing")] if override.startswith("data=") else []
-    assert expected in error_of(train_run, tmp_path / "run", [override] + extra)
+    assert expected in error_of(train_run, tmp_path / "run", override.split() + extra)
 
 
 def test_batch_not_divisible_by_world_size():
