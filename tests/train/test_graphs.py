@@ -137,11 +137,22 @@ def test_fsdp2_is_refused_with_the_reason_and_ddp_with_accumulation_is_not():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("objective, grad_accum", [("meanflow", 1), ("scm", 1), ("meanflow", 2), ("scm", 2)])
-def test_a_graphed_run_follows_the_eager_run(tmp_path, train_run, objective, grad_accum):
+@pytest.mark.parametrize(
+    "objective, grad_accum, extra",
+    [
+        ("meanflow", 1, []),
+        ("scm", 1, []),
+        ("meanflow", 2, []),
+        ("scm", 2, []),
+        ("meanflow", 1, ["model.prediction=data"]),
+        ("flow_matching", 1, ["model.prediction=data", "objective.loss_t_min=0.05"]),
+    ],
+)
+def test_a_graphed_run_follows_the_eager_run(tmp_path, train_run, objective, grad_accum, extra):
     # sCM: the step (its tangent warm-up over 2 steps) enters the graph as a tensor; grad_accum=2: one replay per
     # micro-batch, each adding into the gradients
     common = [
+        *extra,
         f"objective={objective}",
         "attention=triton_jvp",
         "trainer.device=cuda",
