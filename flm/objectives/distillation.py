@@ -46,7 +46,6 @@ import math
 
 import torch
 
-from flm.models.dit import PREDICTIONS
 from flm.objectives.checks import check_hf_weight_one_step, check_probability, check_target_ema, check_teacher_steps
 from flm.objectives.consistency import SCM
 from flm.objectives.dmd import DMDRegularised
@@ -83,7 +82,9 @@ class SCD(SCM):
         **kwargs: SCM's (sigma_d, p_mean, p_std, tangent_c, warmup_steps, ...).
     """
 
-    predictions = PREDICTIONS  # the student is a flow-matching network, read through the time conversion
+    # the student is a flow-matching network read through the time conversion, but a data-predicting one (its teacher's)
+    # trained to a 1-step FID of 368 on the H200 (docs/quality.md, fifteenth day): sCD and rCM distil velocity teachers
+    predictions = ("velocity",)
 
     def __init__(
         self,

@@ -106,8 +106,8 @@ def check_prediction(objective, prediction: str) -> None:
     if prediction not in objective.predictions:
         raise ValueError(
             f"model.prediction={prediction} does not fit objective {type(objective).__name__}, whose model predicts "
-            f"{' or '.join(objective.predictions)} (a data prediction is returned as the linear path's velocity; sCM's F "
-            f"lives on TrigFlow's path); pass model.prediction=velocity"
+            f"{' or '.join(objective.predictions)} (docs/quality.md: sCM's F lives on TrigFlow's path, and sCD/rCM students "
+            f"with a data prediction diverged); pass model.prediction=velocity (a distilled student: and a velocity teacher)"
         )
 
 

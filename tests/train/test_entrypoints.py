@@ -71,6 +71,7 @@ def test_bad_value_is_one_line_and_leaves_nothing(tmp_path):
         ("data=mnist", "does not exist"),
         ("model.prediction=eps", "unknown prediction 'eps'; valid: velocity, data"),
         ("objective=scm model.prediction=data", "model.prediction=data does not fit objective SCM"),
+        ("objective=scd objective.teacher=t.pt model.prediction=data", "model.prediction=data does not fit objective SCD"),
     ],
 )
 def test_bad_values(tmp_path, train_run, override, expected):
