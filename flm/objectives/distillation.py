@@ -82,8 +82,9 @@ class SCD(SCM):
         **kwargs: SCM's (sigma_d, p_mean, p_std, tangent_c, warmup_steps, ...).
     """
 
-    # the student is a flow-matching network read through the time conversion, but a data-predicting one (its teacher's)
-    # trained to a 1-step FID of 368 on the H200 (docs/quality.md, fifteenth day): sCD and rCM distil velocity teachers
+    # a data-predicting student's consistency function x_s - s v is its output x^ at every t, so nothing ties f(x, 0) to x:
+    # the loss (df/dt = 0 alone) let x^ drift (|x^| 4 -> 54 in 400 CPU steps; H200 1-step FID 368, docs/quality.md,
+    # fifteenth day). A velocity student has f -> x_s as s -> 0 by construction: sCD and rCM distil velocity teachers.
     predictions = ("velocity",)
 
     def __init__(

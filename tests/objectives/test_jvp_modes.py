@@ -31,12 +31,18 @@ def _step(objective_name, model, backend, jvp_mode, plain=False, options=None):
 
 
 @pytest.mark.parametrize(
-    ("objective_name", "options"),
-    [("meanflow", None), ("meanflow", {"identity": "lagrangian", "tangent": "sample", "cfg_omega": 1.0}), ("scm", None)],
-    ids=["meanflow", "meanflow-lagrangian", "scm"],  # the Lagrangian identity's JVP is along r alone
+    ("objective_name", "options", "prediction"),
+    [
+        ("meanflow", None, "velocity"),
+        ("meanflow", {"identity": "lagrangian", "tangent": "sample", "cfg_omega": 1.0}, "velocity"),
+        ("scm", None, "velocity"),
+        ("meanflow", None, "data"),  # d/dt through the data prediction's division by t
+    ],
+    ids=["meanflow", "meanflow-lagrangian", "scm", "meanflow-data"],  # the Lagrangian identity's JVP is along r alone
 )
-def test_gradients_agree_across_modes_and_backends(objective_name, options):
+def test_gradients_agree_across_modes_and_backends(objective_name, options, prediction):
     model = tiny_dit(time_inputs=2 if objective_name == "meanflow" else 1)
+    model.prediction = prediction
     loss_ref, grads_ref = _step(objective_name, model, "math", "two_pass", plain=True, options=options)
     assert sum(g.norm() for g in grads_ref if g is not None) > 1e-2
     for backend, mode in SETUPS:
