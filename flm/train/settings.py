@@ -106,8 +106,9 @@ def check_prediction(objective, prediction: str) -> None:
     if prediction not in objective.predictions:
         raise ValueError(
             f"model.prediction={prediction} does not fit objective {type(objective).__name__}, whose model predicts "
-            f"{' or '.join(objective.predictions)} (docs/quality.md: sCM's F lives on TrigFlow's path, and a data-predicting sCD/rCM "
-            f"student has no boundary condition f(x, 0) = x and drifts); pass model.prediction=velocity (a distilled student: and a velocity teacher)"
+            f"{' or '.join(objective.predictions)} (docs/quality.md: sCM's F lives on TrigFlow's path, and a "
+            f"data-predicting sCD/rCM student has no boundary condition f(x, 0) = x and drifts); pass "
+            f"model.prediction=velocity (a distilled student: and a velocity teacher)"
         )
 
 
