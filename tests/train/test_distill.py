@@ -23,16 +23,24 @@ STUDENT = ["trainer.ckpt_every=2", "trainer.keep_last=0", "objective.warmup_step
 
 @pytest.fixture(scope="module")
 def teacher(tmp_path_factory):
-    """A flow-matching run of the TINY model (DiT-T/4 on the shipped MNIST) and a MeanFlow run."""
+    """Flow-matching runs of the TINY model (DiT-T/4 on the shipped MNIST), predicting the velocity and the image, and a
+    MeanFlow run."""
     tmp = tmp_path_factory.mktemp("teacher")
-    for objective in ("flow_matching", "meanflow"):
-        rc, _, err = run_script("train", *TINY, "trainer.max_steps=2", f"objective={objective}", f"run_dir={tmp / objective}")
+    runs = {
+        "flow_matching": ["objective=flow_matching"],
+        "flow_matching_data": ["objective=flow_matching", "model.prediction=data", "objective.loss_t_min=0.05"],
+        "meanflow": ["objective=meanflow"],
+    }
+    for run, overrides in runs.items():
+        rc, _, err = run_script("train", *TINY, "trainer.max_steps=2", *overrides, f"run_dir={tmp / run}")
         assert rc == 0, err
     return tmp
 
 
-def objective_of(name, teacher):
-    return [f"objective={name}", f"objective.teacher={teacher / 'flow_matching'}"]
+def objective_of(name, teacher, extra=()):
+    """A student's objective options; its teacher predicts what the student does (model.prediction in extra)."""
+    run = "flow_matching_data" if "model.prediction=data" in extra else "flow_matching"
+    return [f"objective={name}", f"objective.teacher={teacher / run}"]
 
 
 class Watched(RCM):
@@ -85,13 +93,14 @@ def test_the_teacher_stays_frozen_and_the_student_starts_from_it(tmp_path, teach
         ("meanflow_distill", []),
         ("meanflow_distill", ["objective.split_above=0.0", "objective.split_target=teacher_student"]),
         ("meanflow_distill", ["objective.one_step_frac=0.25", "objective.perceptual_weight=1.0"]),
+        ("meanflow_distill", ["model.prediction=data"]),
         ("meanflow_dmd", ["objective.fake_updates=0"]),
         ("meanflow_gan", ["objective.disc_width=8"]),
         ("meanflow_gan", ["objective.disc_backbone=teacher", "objective.r1_gamma=0", "objective.disc_width=8"]),
     ],
 )
 def test_stop_and_resume_is_bit_exact_with_every_network(tmp_path, teacher, train_run, name, extra):
-    common = objective_of(name, teacher) + STUDENT[:2] + extra
+    common = objective_of(name, teacher, extra) + STUDENT[:2] + extra
     common += ["objective.warmup_steps=2"] if name in ("scd", "rcm") else []
     common += ["trainer.grad_accum=2", "trainer.log_every=1"]
     train_run(tmp_path / "whole", common)
