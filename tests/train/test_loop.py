@@ -92,7 +92,7 @@ class FlakyObjective(torch.nn.Module):
     def __init__(self, inner, nan_steps):
         super().__init__()
         self.inner, self.nan_steps, self.time_inputs = inner, nan_steps, inner.time_inputs
-        self.sample_steps, self.networks = inner.sample_steps, inner.networks
+        self.sample_steps, self.networks, self.predictions = inner.sample_steps, inner.networks, inner.predictions
 
     def loss(self, model, x, y=None, *, step=0):
         loss, metrics = self.inner.loss(model, x, y, step=step)
