@@ -10,6 +10,7 @@ the loop relies on is written down in flm.objectives.protocol (Objective, Networ
 
 Every objective is an nn.Module (parameters: only sCM's adaptive weighting; state_dict for the
 checkpoint) with `time_inputs` (1, or 2 for MeanFlow's (t, r)), `sample_steps` (its sampler's default),
+`predictions` (what its model may predict: flm.models.PREDICTIONS, the velocity or the clean image),
 `networks` (what it needs besides the model: the distilled students' teacher and fake score, flm.objectives.distillation
 and flm.objectives.dmd),
 `loss(model, x, y=None, *, step=0) -> (loss, metrics)` (step: an int, or a 0-dim tensor on the device

@@ -5,7 +5,7 @@ A distillation objective, say, declares a frozen teacher that the student starts
 trainable fake-score network (flm.objectives.distillation.RCM is this):
 
     class Distill(nn.Module):
-        time_inputs, sample_steps = 1, 1
+        time_inputs, sample_steps, predictions = 1, 1, ("velocity",)
 
         def __init__(self, teacher: str, fake_lr: float = 1e-5):
             super().__init__()

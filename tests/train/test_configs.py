@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 from flm.attention import BACKENDS, get_attention
 from flm.data import DataConfig
 from flm.log import LoggerConfig
-from flm.models import MODEL_SIZES, ModelConfig, build_model
+from flm.models import MODEL_SIZES, PREDICTIONS, ModelConfig, build_model
 from flm.train import OptimConfig, TrainerConfig
 
 from .conftest import ROOT
@@ -55,6 +55,7 @@ def test_objective_options(cfg_of, name):
     cfg = with_teacher(cfg_of("train", [f"objective={name}"]))
     objective = instantiate(cfg.objective)
     assert objective.time_inputs in (1, 2) and objective.sample_steps >= 1
+    assert objective.predictions and set(objective.predictions) <= set(PREDICTIONS)
     assert cfg.trainer.sample_steps is None  # the objective's own, unless the command line says otherwise
 
 
