@@ -260,9 +260,8 @@ class DiT(nn.Module):
         # unpatchify: (B, N, p * p * C) -> (B, C, H, W)
         p, gh, gw = self.patch_size, H // self.patch_size, W // self.patch_size
         out = out.reshape(B, gh, gw, p, p, C).permute(0, 5, 1, 3, 2, 4).reshape(B, C, H, W)
-        if self.prediction == "data":  # out is x^; the velocity (x_t - x^) / t, in x's precision
-            t = t.expand(B) if t.dim() == 0 else t
-            return (x - out.to(x.dtype)) / t.to(x.dtype).clamp_min(T_MIN).reshape(B, 1, 1, 1)
+        if self.prediction == "data":  # out is x^; the velocity (x_t - x^) / t, in x's precision (t (B,) or a scalar)
+            return (x - out.to(x.dtype)) / t.to(x.dtype).clamp_min(T_MIN).reshape(-1, 1, 1, 1)
         return out.to(x.dtype)
 
     def _embed(self, x, t, r, y):
