@@ -15,7 +15,6 @@ from torch import nn
 from flm.objectives.guidance import check_cfg, check_interval, drop_labels, guided
 from flm.objectives.checks import check_probability, check_std
 from flm.objectives.paths import LinearPath, bcast, logit_normal, time_grid
-from flm.models.dit import PREDICTIONS
 from flm.objectives.protocol import NO_NETWORKS
 
 SAMPLERS = ("euler", "heun")
@@ -39,7 +38,7 @@ class FlowMatching(nn.Module):
 
     time_inputs = 1
     sample_steps = 50
-    predictions = PREDICTIONS
+    predictions = ("velocity", "data")  # the first is model.prediction=auto's: the data prediction needs loss_t_min
     networks = NO_NETWORKS
 
     def __init__(

@@ -92,7 +92,6 @@ from flm.objectives.adversarial import AdversarialRegularised
 from flm.objectives.dmd import DMDRegularised
 from flm.objectives.frequency import first_k_hf_weight, squared_error
 from flm.objectives.paths import LinearPath, bcast, logit_normal, time_grid
-from flm.models.dit import PREDICTIONS
 from flm.objectives.protocol import NO_NETWORKS, Network
 from flm.objectives.teacher import feature_blocks, load_teacher, teacher_features, teacher_velocity
 
@@ -167,7 +166,7 @@ class MeanFlow(nn.Module):
     """
 
     time_inputs = 2
-    predictions = PREDICTIONS
+    predictions = ("data", "velocity")  # the first is model.prediction=auto's (without a teacher)
     sample_steps = 2  # 1 is the one-step sampler; 2 is visibly cleaner on small models
     networks = NO_NETWORKS
 

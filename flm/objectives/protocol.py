@@ -77,7 +77,8 @@ class Objective(Protocol):
     time_inputs: int  # the model's time inputs: 1 (t) or 2 (t, r: MeanFlow)
     sample_steps: int  # the sampler's default step count (grids, sample.py, evaluate.py)
     networks: Mapping[str, Network]  # the networks it needs besides the model; NO_NETWORKS for none
-    predictions: tuple[str, ...]  # the model outputs (flm.models.PREDICTIONS) its loss and sampler read
+    predictions: tuple[str, ...]  # the model outputs (flm.models.PREDICTIONS) its loss and sampler read; the first is
+    # model.prediction=auto's
 
     def loss(
         self, model: nn.Module, x: torch.Tensor, y: torch.Tensor | None = None, *, step=0, **networks: nn.Module

@@ -130,6 +130,20 @@ def load(path: str) -> dict:
     return bundle
 
 
+def saved_prediction(path: str) -> str:
+    """The model.prediction of a checkpoint (a file, or a run folder's latest; older checkpoints: velocity), for a
+    model.prediction=auto that continues it (a resume) or starts from it (a distilled student's teacher). Reads
+    model_args through a memory map, not the weights."""
+    from flm.train.config import plain  # flm.train.config imports the objectives, which import this module
+
+    source = find_checkpoint(path)
+    try:
+        args = torch.load(source, map_location="cpu", weights_only=True, mmap=True)["model_args"]
+    except Exception:  # not a zip checkpoint, or no model_args: load's clear error
+        args = load(source)["model_args"]
+    return complete_args(plain(args, f"{source}: model_args"))["prediction"]
+
+
 def check_model_args(path: str, saved: dict, current: dict) -> None:
     """Raise a clear error when the checkpoint was written for another model than the one built now."""
     saved, current = complete_args(saved), complete_args(current)

@@ -302,8 +302,11 @@ def train(
     if trainer.cuda_graph:
         check_cuda_graph(trainer, device, world)
     check_compile(trainer, objective, world, model.attention)
-    check_prediction(objective, model.prediction)
     resume_from = checkpoint.resolve_resume(trainer.resume, run_dir)
+    if model.prediction == "auto":  # a resumed run keeps its own; a distilled student predicts as its teacher
+        saved = resume_from or getattr(objective, "teacher", None)
+        model = model.resolve_prediction(objective.predictions, saved and checkpoint.saved_prediction(saved))
+    check_prediction(objective, model.prediction)
 
     run = open_data(data, trainer, micro_batch, device, config or {})
     dataset, decoder, num_classes, config = run.dataset, run.decoder, run.num_classes, run.config

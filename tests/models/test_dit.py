@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.autograd import forward_ad
 
-from flm.models import MODEL_SIZES, build_model
+from flm.models import MODEL_SIZES, ModelConfig, build_model
 from flm.models.dit import T_MIN
 from flm.objectives import MeanFlow
 from tests.models.tiny import plain_layers, tiny_dit, with_backend
@@ -153,3 +153,17 @@ def test_dual_pass_saves_no_tangents(backend, graph_free):
         tout = forward_ad.unpack_dual(out).tangent
     assert saved_with_tangent and tout is not None
     assert (not any(saved_with_tangent)) == graph_free
+
+
+def test_an_auto_prediction_resolves_to_the_teachers_else_the_objectives_first():
+    auto = ModelConfig(name="DiT-T/4")
+    assert auto.prediction == "auto"
+    assert auto.resolve_prediction(("data", "velocity")).prediction == "data"  # MeanFlow
+    assert auto.resolve_prediction(("velocity", "data")).prediction == "velocity"  # flow matching
+    assert auto.resolve_prediction(("data", "velocity"), "velocity").prediction == "velocity"  # a velocity teacher's student
+    assert auto.resolve_prediction(("velocity",), "data").prediction == "velocity"  # sCD: the teacher check names the mismatch
+    assert ModelConfig(name="DiT-T/4", prediction="velocity").resolve_prediction(("data", "velocity")).prediction == "velocity"
+    with pytest.raises(ValueError, match="model.prediction=auto has no network yet"):
+        auto.args(input_size=8, in_channels=1, num_classes=0, time_inputs=1)
+    with pytest.raises(ValueError, match="unknown prediction 'image'"):
+        ModelConfig(name="DiT-T/4", prediction="image")

@@ -34,7 +34,9 @@ def test_model_options(cfg_of, name):
     model_cfg = instantiate(cfg.model)
     assert isinstance(model_cfg, ModelConfig) and model_cfg.name == name and name in MODEL_SIZES
     if name.startswith("DiT-T"):  # build the tiny ones; the others only name a registered size
-        args = model_cfg.args(input_size=28 if name == "DiT-Ti/7" else 8, in_channels=1, num_classes=10, time_inputs=2)
+        args = model_cfg.resolve_prediction(("velocity",)).args(
+            input_size=28 if name == "DiT-Ti/7" else 8, in_channels=1, num_classes=10, time_inputs=2
+        )
         model = build_model(**args)
         assert sum(p.numel() for p in model.parameters()) > 0
 

@@ -278,3 +278,9 @@ def test_a_graphed_run_with_a_second_trained_network_follows_the_eager_run(tmp_p
     assert torch.allclose(torch.tensor(graph), torch.tensor(eager), rtol=2e-2, atol=1e-4), (eager, graph)
     fake = [checkpoint.load(checkpoint.find_checkpoint(str(tmp_path / run)))[net] for run in ("eager", "graph")]
     torch.testing.assert_close(fake[1], fake[0], rtol=2e-2, atol=2e-3)  # both networks trained in both runs
+
+
+def test_an_auto_student_predicts_as_its_teacher(tmp_path, teacher, train_run):
+    for run, expected in (("flow_matching", "velocity"), ("flow_matching_data", "data")):
+        train_run(tmp_path / run, ["objective=meanflow_distill", f"objective.teacher={teacher / run}", "trainer.max_steps=2"])
+        assert checkpoint.saved_prediction(str(tmp_path / run)) == expected

@@ -159,3 +159,14 @@ def test_the_ema_split_target_gets_the_runs_ema(tmp_path, train_run, monkeypatch
     train_run(tmp_path / "run", split + ["trainer.ema_decays=[0.98,0.995]"])
     assert len(seen) == 4 and all(net is seen[0] for net in seen)
     assert not any(p.requires_grad for p in seen[0].parameters())
+
+
+def test_an_auto_prediction_is_recorded_resolved_and_a_resume_keeps_its_own(tmp_path, train_run):
+    train_run(tmp_path / "mf", ["objective=meanflow"])
+    assert checkpoint.load(str(tmp_path / "mf" / "checkpoints" / "ckpt-00000004.pt"))["model_args"]["prediction"] == "data"
+    train_run(tmp_path / "fm", ["objective=flow_matching"])
+    assert checkpoint.saved_prediction(str(tmp_path / "fm")) == "velocity"
+    # a MeanFlow run made to predict the velocity continues doing so when resumed with the default (auto)
+    train_run(tmp_path / "mfv", ["objective=meanflow", "model.prediction=velocity", "trainer.max_steps=2"])
+    train_run(tmp_path / "mfv", ["objective=meanflow", "trainer.max_steps=4", "trainer.resume=auto"])
+    assert checkpoint.saved_prediction(str(tmp_path / "mfv")) == "velocity"
