@@ -85,14 +85,14 @@ class ModelConfig:
         if self.attention != "auto":
             get_attention(self.attention)  # an unknown name lists the valid ones
 
-    def resolve_prediction(self, predictions: tuple[str, ...], teacher: str | None = None) -> "ModelConfig":
-        """This config with prediction=auto made concrete: `teacher` (what a distilled student's teacher or a
-        resumed run predicts) where the objective takes it, else the objective's first: MeanFlow lists the clean
+    def resolve_prediction(self, predictions: tuple[str, ...], saved: str | None = None) -> "ModelConfig":
+        """This config with prediction=auto made concrete: `saved` (what a resumed run or a distilled student's
+        teacher predicts) where the objective takes it, else the objective's first: MeanFlow lists the clean
         image first (on MNIST it lowered its 1-step FID 4x, docs/quality.md); flow matching, sCM and the sCD
         students the velocity."""
         if self.prediction != "auto":
             return self
-        return dataclasses.replace(self, prediction=teacher if teacher in predictions else predictions[0])
+        return dataclasses.replace(self, prediction=saved if saved in predictions else predictions[0])
 
     def args(self, *, input_size: int, in_channels: int, num_classes: int, time_inputs: int) -> dict:
         """build_model's keywords (what a checkpoint records as model_args); prediction resolved first."""
