@@ -45,6 +45,12 @@ The samplers' intervals (`one_step_frac`, `two_step_frac`, off by default): fixe
 almost never draws, though the samplers evaluate nothing else. With the split target on, the one-step samples
 learn the model's own 2-step sample (on MNIST: 1-step FID 17.35 against 19.52, docs/quality.md).
 
+The JVP on the r != t samples alone (`jvp_subset`, on in configs/objective/meanflow.yaml): a sample with r = t
+has u_tgt = v exactly (its JVP is multiplied by t - r = 0), so it needs one plain forward, not a tangent forward and
+a JVP. The r != t samples are then a fixed count, the batch's first round(r_neq_t n) (after the samplers' intervals),
+in place of a random share: the same loss in expectation, a step that costs about (1 - r_neq_t) flow-matching steps
+plus r_neq_t MeanFlow steps, and static shapes for CUDA graphs.
+
 Guidance in training (section 4.2, eqs. 13-19, off by default): v is replaced, in the target and in
 the JVP tangent, by v~ = omega v + kappa u(z_t, t, t | y) + (1 - omega - kappa) u(z_t, t, t | null),
 the two u's without gradient; samples whose label was dropped to the null class keep v~ = v.
@@ -155,6 +161,8 @@ class MeanFlow(nn.Module):
         identity: "eulerian" (the MeanFlow identity, the paper's) or "lagrangian" (the velocity at the jump's end
             point, see the module docstring; its JVP is along r alone, so the tangent option does not apply).
         jvp_mode: "dual" (one dual pass) or "two_pass" (no-grad JVP pass + gradient pass).
+        jvp_subset: the JVP (and the model tangent's forward) on the r != t samples alone, a fixed count of them
+            (see the module docstring); False: on the whole batch, r != t drawn per sample (the paper's).
         teacher: a flow-matching run folder or checkpoint whose velocity replaces v (null: none).
         teacher_cfg_scale: the teacher's classifier-free guidance (1.0: none).
         cfg_interval: [t_min, t_max]: guidance in training and the sampler's guidance only for t in it
@@ -198,6 +206,7 @@ class MeanFlow(nn.Module):
         tangent: str = "sample",
         identity: str = "eulerian",
         jvp_mode: str = "dual",
+        jvp_subset: bool = False,
         teacher: str | None = None,
         teacher_cfg_scale: float = 1.0,
         cfg_interval: tuple[float, float] | None = None,
@@ -255,6 +264,12 @@ class MeanFlow(nn.Module):
             )
         self.identity = identity
         self.jvp_mode = check_jvp_mode(jvp_mode)
+        if jvp_subset and r_zero:
+            raise ValueError(
+                "r_zero draws r = 0 for any sample, so the r != t samples are not a fixed count: set "
+                "objective.jvp_subset=false with objective.r_zero"
+            )
+        self.jvp_subset = bool(jvp_subset)
         self.path = LinearPath()
         if teacher and (cfg_omega != 1.0 or cfg_kappa != 0.0):
             raise ValueError(
@@ -298,12 +313,16 @@ class MeanFlow(nn.Module):
 
     def sample_times(self, n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         """(t, r) with t >= r: two logit-normal draws sorted; a fraction r_zero gets r = 0, and of the others
-        a fraction 1 - r_neq_t gets r = t; then the first round(one_step_frac n) samples get (r, t) = (0, 1) and the
-        next round(two_step_frac n) the 2-step sampler's (s, 1) and (0, s) in turn."""
+        a fraction 1 - r_neq_t gets r = t (with jvp_subset: all but the first jvp_count(n)); then the first
+        round(one_step_frac n) samples get (r, t) = (0, 1) and the next round(two_step_frac n) the 2-step sampler's
+        (s, 1) and (0, s) in turn."""
         a = logit_normal(n, self.t_mean, self.t_std, device=device)
         b = logit_normal(n, self.t_mean, self.t_std, device=device)
         t, r = torch.maximum(a, b), torch.minimum(a, b)
-        r = torch.where(torch.rand(n, device=device) < self.r_neq_t, r, t)
+        if self.jvp_subset:
+            r = torch.cat([r[: self.jvp_count(n)], t[self.jvp_count(n) :]])
+        else:
+            r = torch.where(torch.rand(n, device=device) < self.r_neq_t, r, t)
         if self.r_zero:  # no extra draw at 0: the paper's proposal keeps its random stream
             r = torch.where(torch.rand(n, device=device) < self.r_zero, torch.zeros_like(r), r)
         # fixed counts: static shapes, and the random stream is unchanged
@@ -315,6 +334,14 @@ class MeanFlow(nn.Module):
             t[k1 : k1 + k2 : 2], r[k1 : k1 + k2 : 2] = 1.0, s
             t[k1 + 1 : k1 + k2 : 2], r[k1 + 1 : k1 + k2 : 2] = s, 0.0
         return t, r
+
+    def jvp_count(self, n: int) -> int:
+        """How many of a batch of n take the JVP: all of them, or with jvp_subset its first ones, the samplers'
+        intervals and round(r_neq_t) of the rest (sample_times)."""
+        if not self.jvp_subset:
+            return n
+        k = self.one_step_count(n) + round(self.two_step_frac * n)
+        return k + round(self.r_neq_t * (n - k))
 
     @torch.no_grad()
     def _guided_velocity(self, model, s, y, y_in):
@@ -342,7 +369,14 @@ class MeanFlow(nn.Module):
         t, r = self.sample_times(x.shape[0], x.device)
         s = self.path.sample(x, torch.randn_like(x), t)
         if self.identity == "lagrangian":
-            u_tgt, u = self._lagrangian_target(model, s.x_t, t, r, y_in, teacher)
+            # at r = t the end point X is z_t itself: u_tgt is the velocity there
+            def diagonal(u, i):
+                if teacher is None:
+                    return u.detach().float()
+                return teacher_velocity(teacher, s.x_t[i], t[i], None if y_in is None else y_in[i], self.teacher_cfg_scale)
+
+            lagrangian = functools.partial(self._lagrangian_target, model, teacher=teacher)
+            u_tgt, u = self._on_subset(model, s.x_t, t, r, y_in, lagrangian, diagonal)
         else:
             u_tgt, u = self._eulerian_target(model, s, r, y, y_in, teacher)
         if self.split_above is not None:
@@ -356,15 +390,36 @@ class MeanFlow(nn.Module):
         v = self._guided_velocity(model, s, y, y_in) if guided_training else s.dx_t
         if teacher is not None:
             v = teacher_velocity(teacher, s.x_t, t, y_in, self.teacher_cfg_scale)
-        if self.tangent == "model":
-            with torch.no_grad():
-                dz = model(s.x_t, t, t, y_in)
-        else:
-            dz = v.to(s.x_t.dtype)
 
-        # u and du/dt along (dz, dr, dt) = (v, 0, 1) (eq. 8; dz = sg(u(z_t, t, t)) for tangent="model"): r has none
-        u, dudt = jvp(lambda z, t_: model(z, t_, r, y_in), (s.x_t, t), (dz, torch.ones_like(t)), mode=self.jvp_mode)
-        return (v - bcast(t - r, v) * dudt.float()).detach(), u
+        def identity(z, t, r, y, v):  # u and u_tgt = v - (t - r) du/dt of the samples that take the JVP
+            if self.tangent == "model":
+                with torch.no_grad():
+                    dz = model(z, t, t, y)
+            else:
+                dz = v.to(z.dtype)
+            # du/dt along (dz, dr, dt) = (v, 0, 1) (eq. 8; dz = sg(u(z_t, t, t)) for tangent="model"): r has none
+            u, dudt = jvp(lambda z_, t_: model(z_, t_, r, y), (z, t), (dz, torch.ones_like(t)), mode=self.jvp_mode)
+            return v - bcast(t - r, v) * dudt.float(), u
+
+        u_tgt, u = self._on_subset(model, s.x_t, t, r, y_in, identity, lambda u, i: v[i].float(), v)
+        return u_tgt.detach(), u
+
+    def _on_subset(self, model, z, t, r, y, target, diagonal, *per_sample):
+        """(u_tgt, u) of a batch: target(z, t, r, y, *per_sample) on its first jvp_count samples; the others (r = t,
+        with jvp_subset) take one forward u = model(z, t, t, y) and u_tgt = diagonal(u, their rows)."""
+        n, m = len(t), self.jvp_count(len(t))
+        rows = lambda a, i: None if a is None else a[i]  # noqa: E731
+        parts = []
+        if m:
+            head = slice(None, m)
+            parts.append(target(z[head], t[head], r[head], rows(y, head), *(a[head] for a in per_sample)))
+        if m < n:
+            tail = slice(m, None)
+            u = model(z[tail], t[tail], t[tail], rows(y, tail))
+            parts.append((diagonal(u, tail), u))
+        if len(parts) == 1:
+            return parts[0]
+        return tuple(torch.cat(pair) for pair in zip(*parts))
 
     def _lagrangian_target(self, model, z, t, r, y, teacher=None):
         """(sg(u_tgt), u) of the Lagrangian identity: u_tgt = v(X, r) + (t - r) du/dr at X = z - (t - r) u."""

@@ -5,6 +5,8 @@ python -m pytest tests/objectives/test_meanflow.py -q
 
 import pytest
 import torch
+from torch import nn
+from torch.autograd import forward_ad
 
 from flm.objectives import MeanFlow
 from flm.objectives.guidance import drop_labels
@@ -459,3 +461,75 @@ def test_the_perceptual_term_measures_the_one_step_samples_in_the_teachers_featu
 def test_perceptual_config_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
         MeanFlow(**kwargs)
+
+
+def _fixed_times(objective, t, r):
+    """objective with its proposal replaced by the times (t, r)."""
+    objective.sample_times = lambda n, device: (t, r)
+    return objective
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"jvp_mode": "dual"},
+        {"jvp_mode": "two_pass", "tangent": "model"},
+        {"jvp_mode": "dual", "tangent": "model", "cfg_omega": 2.0},
+        {"jvp_mode": "dual", "identity": "lagrangian"},
+        {"jvp_mode": "dual", "teacher": "unused", "identity": "lagrangian"},
+        {"jvp_mode": "dual", "teacher": "unused", "one_step_frac": 0.125, "split_above": 0.5, "split_frac": 0.125},
+    ],
+)
+def test_jvp_subset_gives_the_whole_batch_jvps_loss_and_gradients(kwargs):
+    """At the same times, the r = t samples' plain forward gives the loss and gradients of the JVP over the batch."""
+    n = 8
+    torch.manual_seed(0)
+    x, y = torch.randn(n, 3, 8, 8), torch.randint(0, 10, (n,))
+    proposal = MeanFlow(jvp_subset=True, r_neq_t=0.5, **{k: v for k, v in kwargs.items() if k.endswith("_frac")})
+    t, r = proposal.sample_times(n, "cpu")
+    m = proposal.jvp_count(n)
+    assert 0 < m < n and (r[:m] < t[:m]).all() and (r[m:] == t[m:]).all()
+    teacher = tiny_dit(seed=2).requires_grad_(False) if "teacher" in kwargs else None
+    results = []
+    for subset in (False, True):
+        model = tiny_dit(time_inputs=2, seed=1)
+        objective = _fixed_times(MeanFlow(jvp_subset=subset, r_neq_t=0.5, label_dropout=0.2, **kwargs), t, r)
+        torch.manual_seed(1)
+        loss, _ = objective.loss(model, x, y, teacher=teacher)
+        loss.backward()
+        results.append((loss, [p.grad for p in model.parameters()]))
+    (loss_all, grads_all), (loss_subset, grads_subset) = results
+    torch.testing.assert_close(loss_subset, loss_all, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grads_subset, grads_all, rtol=1e-4, atol=1e-6)
+
+
+class _Calls(nn.Module):
+    """The model, recording each call's batch size and whether its input carries a forward-AD tangent."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.module, self.calls = model, []  # `module`, as DDP names it: unwrap() finds its classes
+
+    def forward(self, x, t, r=None, y=None):
+        self.calls.append((x.shape[0], forward_ad.unpack_dual(x).tangent is not None, torch.is_grad_enabled()))
+        return self.module(x, t, r, y)
+
+
+def test_jvp_subset_takes_the_jvp_on_the_r_neq_t_samples_alone():
+    """A batch of 16 at r_neq_t 0.25 and one_step_frac 1/8: the tangent forward and the JVP see the 2 + 4 samples
+    with r != t, the other 10 take one plain forward with gradient."""
+    model = _Calls(tiny_dit(time_inputs=2, seed=1))
+    objective = MeanFlow(jvp_subset=True, r_neq_t=0.25, one_step_frac=0.125, tangent="model")
+    torch.manual_seed(0)
+    objective.loss(model, torch.randn(16, 3, 8, 8), torch.randint(0, 10, (16,)))
+    assert model.calls == [(6, False, False), (6, True, True), (10, False, True)]
+    t, r = objective.sample_times(16, "cpu")
+    assert (r[:6] < t[:6]).all() and (r[6:] == t[6:]).all()
+    with pytest.raises(ValueError, match="objective.jvp_subset=false with objective.r_zero"):
+        MeanFlow(jvp_subset=True, r_zero=0.1)
+    model.calls.clear()  # r_neq_t = 1: no plain forward
+    MeanFlow(jvp_subset=True, r_neq_t=1.0).loss(model, torch.randn(4, 3, 8, 8), torch.randint(0, 10, (4,)))
+    assert model.calls == [(4, True, True)]
+    model.calls.clear()  # r_neq_t = 0: flow matching, no JVP
+    MeanFlow(jvp_subset=True, r_neq_t=0.0).loss(model, torch.randn(4, 3, 8, 8), torch.randint(0, 10, (4,)))
+    assert model.calls == [(4, False, True)]
