@@ -119,7 +119,8 @@ def run_objective(spec: str, args, group: str | None = None) -> dict:
     if steps == "auto" or steps.endswith("s"):
         budget_s = budget_seconds(steps, objective, args.budget_s)
         probe = args.probe_steps if steps == "auto" else min(args.probe_steps, 100)
-        sh(train + [f"trainer.max_steps={probe}"], log)
+        # the probe's steps lie in the warm-up, which no decay touches; the resumed run decays to its own max_steps
+        sh(train + [f"trainer.max_steps={probe}", "optim.decay=none"], log)
         steps = max(probe, int(round(budget_s * 1000 / steady_step_ms(run_dir) / 10)) * 10)
         if steps > probe:
             sh(train + [f"trainer.max_steps={steps}", "trainer.resume=auto"], log)
