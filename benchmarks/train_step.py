@@ -25,10 +25,15 @@ layers are their plain ops under compile, and inductor fails in the backward of 
     PYTHONPATH=. python benchmarks/train_step.py --models DiT-B/2 --tokens 1024 --objectives flow_matching,scd,rcm \
         --backends triton_jvp --modes dual --exec eager,graph                       # distillation (issue 14)
     PYTHONPATH=. python benchmarks/train_step.py --exec eager,compile --backends math,triton_jvp --tokens 256
+    PYTHONPATH=. python benchmarks/train_step.py --objectives flow_matching,meanflow,meanflow:jvp_subset=true
     PYTHONPATH=. python benchmarks/train_step.py --tiny                             # CPU smoke check
+
+An objective is NAME or NAME:KEY=VALUE[;KEY=VALUE...], its options as in configs/objective (the row is labelled
+with the whole string); the others keep the class's defaults (MeanFlow's: the whole batch takes the JVP).
 """
 
 import argparse
+import ast
 import functools
 import gc
 import math
@@ -47,6 +52,22 @@ from flm.train.graphs import GraphedStep
 
 JVP_OBJECTIVES = ("meanflow", "scm", "scd", "rcm", "meanflow_dmd")
 DISTILLATION = ("scd", "rcm", "meanflow_dmd")
+
+
+def split_objective(spec: str) -> tuple[str, dict]:
+    """("meanflow", {"jvp_subset": True}) of "meanflow:jvp_subset=true"."""
+    name, _, options = spec.partition(":")
+    kwargs = {}
+    for option in filter(None, options.split(";")):
+        key, eq, value = option.partition("=")
+        if not eq:
+            raise SystemExit(f"error: objective option {option!r} of {spec!r} is not KEY=VALUE")
+        value = {"true": "True", "false": "False", "null": "None"}.get(value, value)
+        try:
+            kwargs[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            kwargs[key] = value  # a string option (e.g. tangent=model)
+    return name, kwargs
 
 
 def parse_args(argv=None):
@@ -97,7 +118,9 @@ def measure(model_name, tokens, objective_name, backend, mode, execution, args, 
     if side * side != patch * patch * tokens:
         raise ValueError(f"tokens {tokens} is not a square number; use e.g. 256, 1024, 4096")
     batch = max(1, args.batch_tokens // tokens)
-    kwargs = {"jvp_mode": mode} if objective_name in JVP_OBJECTIVES else {}
+    objective_name, kwargs = split_objective(objective_name)
+    if objective_name in JVP_OBJECTIVES:
+        kwargs["jvp_mode"] = mode
     if objective_name in DISTILLATION:
         kwargs["teacher"] = "benchmark"  # never read: the networks are built here, not from a checkpoint
     objective = build_objective(objective_name, **kwargs).to(device)
@@ -186,10 +209,11 @@ def rows_to_run(args):
                     yield model_name, tokens, "flow_matching", "sdpa", "-", execution
                 for backend in args.backends:
                     for objective in args.objectives:
-                        if execution == "compile" and objective in JVP_OBJECTIVES and backend != "math":
+                        jvp_objective = split_objective(objective)[0] in JVP_OBJECTIVES
+                        if execution == "compile" and jvp_objective and backend != "math":
                             continue  # a compiled JVP takes math attention only (flm.train.settings.check_compile)
                         modes = ["func"] if execution == "compile" else args.modes  # Dynamo traces torch.func.jvp only
-                        for mode in modes if objective in JVP_OBJECTIVES else ["-"]:
+                        for mode in modes if jvp_objective else ["-"]:
                             yield model_name, tokens, objective, backend, mode, execution
 
 

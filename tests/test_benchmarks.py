@@ -126,6 +126,22 @@ def test_train_step_runs_the_distillation_rows(capsys):
     assert all(float(row.split("|")[7]) > 0 for row in rows)
 
 
+def test_train_step_takes_objective_options(capsys):
+    """NAME:KEY=VALUE rows build the objective with those options; a malformed option stops with its name."""
+    train_step = load("train_step")
+    assert train_step.split_objective("meanflow:jvp_subset=true;r_neq_t=0.5;tangent=model") == (
+        "meanflow",
+        {"jvp_subset": True, "r_neq_t": 0.5, "tangent": "model"},
+    )
+    train_step.main(
+        ["--tiny", "--objectives", "meanflow:jvp_subset=true", "--backends", "math", "--modes", "dual", "--no-sdpa-baseline"]
+    )
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| DiT-T/2")]
+    assert [row.split("|")[4].strip() for row in rows] == ["meanflow:jvp_subset=true"]
+    with pytest.raises(SystemExit, match="'jvp_subset' of 'meanflow:jvp_subset' is not KEY=VALUE"):
+        train_step.split_objective("meanflow:jvp_subset")
+
+
 def test_host_time_times_every_layer_and_step(capsys):
     load("host_time").main(["--depth", "2", "--calls", "5", "--steps", "2", "--repeats", "1"])
     rows = [line.split("|") for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "---" not in line]
