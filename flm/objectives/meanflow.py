@@ -337,7 +337,7 @@ class MeanFlow(nn.Module):
 
     def jvp_count(self, n: int) -> int:
         """How many of a batch of n take the JVP: all of them, or with jvp_subset its first ones, the samplers'
-        intervals and round(r_neq_t) of the rest (sample_times)."""
+        intervals and round(r_neq_t x) of the other x (sample_times)."""
         if not self.jvp_subset:
             return n
         k = self.one_step_count(n) + round(self.two_step_frac * n)
@@ -373,7 +373,8 @@ class MeanFlow(nn.Module):
             def diagonal(u, i):
                 if teacher is None:
                     return u.detach().float()
-                return teacher_velocity(teacher, s.x_t[i], t[i], None if y_in is None else y_in[i], self.teacher_cfg_scale)
+                y_i = None if y_in is None else y_in[i]
+                return teacher_velocity(teacher, s.x_t[i], t[i], y_i, self.teacher_cfg_scale).float()
 
             lagrangian = functools.partial(self._lagrangian_target, model, teacher=teacher)
             u_tgt, u = self._on_subset(model, s.x_t, t, r, y_in, lagrangian, diagonal)
