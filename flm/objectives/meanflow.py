@@ -413,7 +413,9 @@ class MeanFlow(nn.Module):
         parts = []
         if m:
             head = slice(None, m)
-            parts.append(target(z[head], t[head], r[head], rows(y, head), *(a[head] for a in per_sample)))
+            # the JVP's primals as tensors of their own, not views of the batch: inductor fails on dual views (torch 2.14)
+            z_head, t_head = (z[head].clone(), t[head].clone()) if m < n else (z, t)
+            parts.append(target(z_head, t_head, r[head], rows(y, head), *(a[head] for a in per_sample)))
         if m < n:
             tail = slice(m, None)
             u = model(z[tail], t[tail], t[tail], rows(y, tail))

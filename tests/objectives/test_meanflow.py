@@ -474,6 +474,7 @@ def _fixed_times(objective, t, r):
     [
         {"jvp_mode": "dual"},
         {"jvp_mode": "two_pass", "tangent": "model"},
+        {"jvp_mode": "func", "tangent": "model"},
         {"jvp_mode": "dual", "tangent": "model", "cfg_omega": 2.0},
         {"jvp_mode": "dual", "identity": "lagrangian"},
         {"jvp_mode": "dual", "teacher": "unused", "identity": "lagrangian"},
