@@ -108,6 +108,11 @@ SPLIT_TARGETS = ("student", "ema", "teacher", "teacher_student")
 SPLIT_POINTS = ("mid", "uniform")
 
 
+def _rows(a: torch.Tensor | None, i) -> torch.Tensor | None:
+    """a[i], or None for no labels."""
+    return None if a is None else a[i]
+
+
 class MeanFlow(nn.Module):
     """MeanFlow loss and its 1- or few-step sampler.
 
@@ -320,7 +325,8 @@ class MeanFlow(nn.Module):
         b = logit_normal(n, self.t_mean, self.t_std, device=device)
         t, r = torch.maximum(a, b), torch.minimum(a, b)
         if self.jvp_subset:
-            r = torch.cat([r[: self.jvp_count(n)], t[self.jvp_count(n) :]])
+            m = self.jvp_count(n)
+            r = torch.cat([r[:m], t[m:]])
         else:
             r = torch.where(torch.rand(n, device=device) < self.r_neq_t, r, t)
         if self.r_zero:  # no extra draw at 0: the paper's proposal keeps its random stream
@@ -373,8 +379,7 @@ class MeanFlow(nn.Module):
             def diagonal(u, i):
                 if teacher is None:
                     return u.detach().float()
-                y_i = None if y_in is None else y_in[i]
-                return teacher_velocity(teacher, s.x_t[i], t[i], y_i, self.teacher_cfg_scale).float()
+                return teacher_velocity(teacher, s.x_t[i], t[i], _rows(y_in, i), self.teacher_cfg_scale).float()
 
             lagrangian = functools.partial(self._lagrangian_target, model, teacher=teacher)
             u_tgt, u = self._on_subset(model, s.x_t, t, r, y_in, lagrangian, diagonal)
@@ -409,16 +414,15 @@ class MeanFlow(nn.Module):
         """(u_tgt, u) of a batch: target(z, t, r, y, *per_sample) on its first jvp_count samples; the others (r = t,
         with jvp_subset) take one forward u = model(z, t, t, y) and u_tgt = diagonal(u, their rows)."""
         n, m = len(t), self.jvp_count(len(t))
-        rows = lambda a, i: None if a is None else a[i]  # noqa: E731
         parts = []
         if m:
             head = slice(None, m)
             # the JVP's primals as tensors of their own, not views of the batch: inductor fails on dual views (torch 2.14)
             z_head, t_head = (z[head].clone(), t[head].clone()) if m < n else (z, t)
-            parts.append(target(z_head, t_head, r[head], rows(y, head), *(a[head] for a in per_sample)))
+            parts.append(target(z_head, t_head, r[head], _rows(y, head), *(a[head] for a in per_sample)))
         if m < n:
             tail = slice(m, None)
-            u = model(z[tail], t[tail], t[tail], rows(y, tail))
+            u = model(z[tail], t[tail], t[tail], _rows(y, tail))
             parts.append((diagonal(u, tail), u))
         if len(parts) == 1:
             return parts[0]
