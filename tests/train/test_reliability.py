@@ -91,7 +91,7 @@ def metrics_of(run_dir) -> list[dict]:
 
 
 def test_a_resume_trains_with_the_new_learning_rate(tmp_path, train_run):
-    train_run(tmp_path, ["trainer.max_steps=2", "optim.warmup_steps=0"])
+    train_run(tmp_path, ["trainer.max_steps=2", "optim.warmup_steps=0", "optim.lr=1e-3"])
     train_run(tmp_path, ["trainer.resume=auto", "trainer.max_steps=4", "optim.warmup_steps=0", "optim.lr=1e-5"])
     records = metrics_of(tmp_path)
     assert [r["lr"] for r in records] == [pytest.approx(1e-3), pytest.approx(1e-5)]

@@ -65,6 +65,7 @@ def train_distill(run_dir, cfg_of, overrides):
             "objective=flow_matching",
             "trainer.log_every=1",
             "optim.warmup_steps=0",
+            "optim.lr=1e-3",
             "trainer.ckpt_every=2",
             "trainer.keep_last=0",
             *overrides,
