@@ -23,8 +23,10 @@ teacher-then-student pipeline, to set against one objective trained from scratch
 
 Single runs at this budget move by ~25 % in 1-step FID from changes that should not matter (docs/quality.md,
 sixth day), so `--seeds 0 1 2` trains each run once per seed (NAME_s<seed>, `trainer.seed=<seed>`) and the report
-adds the mean and range over the seeds of each run. `--flow-map-error N` also scores each distilled student
-against its teacher's 100-step Euler solution from N noises (benchmarks/flow_map_error.py), with the first --weights.
+adds the mean and range over the seeds of each run. `--extra-steps 50` also scores each run's sampler at 50 steps
+(MeanFlow's many-step sampler tends to its velocity u(z, t, t): how good a flow it learned, against flow matching's).
+`--flow-map-error N` also scores each distilled student against its teacher's 100-step Euler solution from N noises
+(benchmarks/flow_map_error.py), with the first --weights.
 
 Results accumulate in <out>/quality.json (one entry per run, so runs can be made in separate calls)
 and <out>/quality.md is rewritten from all entries each time.
@@ -130,7 +132,7 @@ def run_objective(spec: str, args, group: str | None = None) -> dict:
     ms_final = steady_step_ms(run_dir)
     wall = time.time() - start
 
-    sampler_steps = SAMPLER_STEPS[objective]
+    sampler_steps = run_sampler_steps(objective, args.extra_steps)
     fid = {}
     for i, weights in enumerate(args.weights):
         evals = os.path.join(args.out, f"{name}-{weights}-eval.json")
@@ -158,6 +160,7 @@ def run_objective(spec: str, args, group: str | None = None) -> dict:
     return {
         "name": name,
         "objective": objective,
+        "sampler_steps": sampler_steps,
         "train_steps": steps,
         "step_ms": ms_final,
         "gpu_s": steps * ms_final / 1000,
@@ -248,7 +251,7 @@ def report(results: dict, path: str) -> None:
         with_teacher = f"{r['gpu_s'] + teacher['gpu_s']:.0f}" if teacher else "-"
         for weights, report in evaluations(r).items():
             found = report["results"]
-            for k in SAMPLER_STEPS[r["objective"]]:
+            for k in scored_steps(r):
                 fid, acc = found[f"fid_steps{k}"], found.get(f"label_acc_steps{k}")
                 ratio = f"{fid / base:.2f}" if base else "-"
                 acc = f"{100 * acc:.1f} %" if acc is not None else "-"
@@ -266,6 +269,17 @@ def report(results: dict, path: str) -> None:
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+def run_sampler_steps(objective: str, extra: list[int]) -> list[int]:
+    """The objective's own sampler step counts, then those of `extra` (--extra-steps) it does not have."""
+    own = SAMPLER_STEPS[objective]
+    return own + [k for k in dict.fromkeys(extra) if k not in own]
+
+
+def scored_steps(r: dict) -> list[int]:
+    """The sampler step counts a run was scored at (entries written before --extra-steps: its objective's own)."""
+    return r.get("sampler_steps") or SAMPLER_STEPS[r["objective"]]
 
 
 def teacher_run(r: dict, results: dict) -> dict | None:
@@ -287,7 +301,7 @@ def seed_table(results: dict) -> list[str]:
         if len(runs) < 2:
             continue
         for weights in evaluations(runs[0]):
-            for k in SAMPLER_STEPS[runs[0]["objective"]]:
+            for k in scored_steps(runs[0]):
                 fids = [evaluations(r)[weights]["results"][f"fid_steps{k}"] for r in runs if weights in evaluations(r)]
                 fmes = [r["flow_map_error"][str(k)] for r in runs if (r.get("flow_map_error") or {}).get(str(k)) is not None]
                 fme = f"{sum(fmes) / len(fmes):.5f} ({min(fmes):.5f}-{max(fmes):.5f})" if fmes else "-"
@@ -339,6 +353,15 @@ def main() -> None:
         help="a 100-image grid per sampler (of the first --weights)",
     )
     p.add_argument("--seeds", type=int, nargs="+", default=None, help="train each run once per seed (NAME_s<seed>)")
+    p.add_argument(
+        "--extra-steps",
+        type=int,
+        nargs="+",
+        default=[],
+        metavar="K",
+        help="sampler step counts scored besides each objective's own (e.g. 50: MeanFlow's many-step sampler, which "
+        "tends to its velocity u(z, t, t), against flow matching's 50-step FID)",
+    )
     p.add_argument(
         "--flow-map-error", type=int, default=0, metavar="N", help="score distilled students against their teacher (N noises)"
     )

@@ -84,6 +84,25 @@ def test_report_divides_by_the_best_flow_matching_50_step_fid(tmp_path):
     assert all(row.split("|")[6:8] == [" 50 ", " 251 "] for row in rows)  # its GPU s, and with its teacher b's
 
 
+def test_extra_sampler_steps_are_scored_and_reported_beside_the_objectives_own(tmp_path):
+    quality = load("quality")
+    assert quality.run_sampler_steps("meanflow", [50, 2, 50]) == [1, 2, 50]  # the own ones first, no repeats
+    assert quality.run_sampler_steps("flow_matching", []) == [50, 2]
+    results = {
+        "fm": entry("fm", "flow_matching", {50: 4.0, 2: 20.0}),
+        "mf": {**entry("mf", "meanflow", {1: 8.0, 2: 6.0, 50: 5.0}), "sampler_steps": [1, 2, 50]},
+        "old": entry("old", "meanflow", {1: 9.0, 2: 7.0, 50: 1.0}),  # written before --extra-steps: its own steps only
+    }
+    for r in results.values():
+        r.update(device="CPU", torch="-", triton="-", command="-")
+    quality.report(json.loads(json.dumps(results)), tmp_path / "q.md")
+    lines = (tmp_path / "q.md").read_text().splitlines()
+    steps = {name: [row.split("|")[9].strip() for row in lines if row.startswith(f"| {name} ")] for name in results}
+    assert steps == {"fm": ["50", "2"], "mf": ["1", "2", "50"], "old": ["1", "2"]}
+    mf50 = next(row for row in lines if row.startswith("| mf ") and row.split("|")[9].strip() == "50")
+    assert mf50.split("|")[-3].strip() == "1.25"  # 5 / 4: a MeanFlow 50-step FID is not the baseline
+
+
 def test_seeds_name_the_runs_and_the_report_averages_over_them(tmp_path):
     quality = load("quality")
     assert quality.seeded("s:scd:50s:optim.lr=1e-4,trainer.ema_decays=[0.9,0.99]", 2) == (
