@@ -11,7 +11,7 @@ from torch.distributed.tensor.experimental import implicit_replication
 
 from flm import dist
 from flm.train import checkpoint
-from flm.train.parallel import clip_grad_norm_
+from flm.train.parallel import clip_grad_norm_, local
 from flm.typed import check_fields
 
 
@@ -122,6 +122,15 @@ class Optimizer:
         """Average the replicated gradients, clip all to optim.grad_clip; the total norm before clipping."""
         dist.all_mean_([p.grad for p in self.replicated if p.grad is not None])
         return clip_grad_norm_(self.params, self.cfg.grad_clip if self.cfg.grad_clip > 0 else math.inf)
+
+    @torch.no_grad()
+    def nonfinite_grads(self) -> list[str]:
+        """Names of the parameters whose gradient (this rank's shard) holds an inf or NaN now; one host sync."""
+        named = [(name, p.grad) for name, p in self.modules.named_parameters() if p.grad is not None]
+        if not named:
+            return []
+        finite = torch.stack([torch.isfinite(local(g)).all() for _, g in named]).tolist()
+        return [name for (name, _), ok in zip(named, finite) if not ok]
 
     def step(self, skip: torch.Tensor) -> None:
         optimizer_step(self.opt, self.sched, skip)

@@ -59,6 +59,7 @@ class Outcomes:
         self.max_nonfinite = max_nonfinite
         self.nonfinite, self.window = NonFinite(), LossWindow()
         self.pending = None  # (step, host copy of [loss, finite, grad norm], event)
+        self.describe = lambda: ""  # what a skipped step's warning adds: where the gradients being computed now overflow
 
     def record(self, step: int, loss: torch.Tensor, finite: torch.Tensor, grad_norm: torch.Tensor) -> None:
         """Start reading this step's outcome; settle() reads it."""
@@ -80,7 +81,7 @@ class Outcomes:
             counts.total, counts.in_a_row = counts.total + 1, counts.in_a_row + 1
             log.warning(
                 f"step {step}: non-finite loss {loss} or grad norm {norm}; "
-                f"skipped ({counts.in_a_row} in a row, {counts.total} in total)"
+                f"skipped ({counts.in_a_row} in a row, {counts.total} in total){self.describe()}"
             )
             if counts.in_a_row >= self.max_nonfinite:
                 raise FloatingPointError(

@@ -98,6 +98,17 @@ class TrainState:
         self.trainable = trainable or {}  # the objective's trainable networks, unwrapped (saved)
         self.extras = extras or {}  # every network the objective declares, as its loss receives them
         self.rng, self.outcomes, self.step = RNG(device), Outcomes(max_nonfinite), 0
+        self.outcomes.describe = self.nonfinite_grads
+
+    def nonfinite_grads(self, shown: int = 4) -> str:
+        """For a skipped step's warning, read while the next step's gradients are in place (the host reads an
+        outcome one step late): the parameters whose gradient is not finite, "" when there are none or no
+        gradients (after the update)."""
+        names = [name for opt in self.optimizers.values() for name in opt.nonfinite_grads()]
+        if not names:
+            return ""
+        listed = ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
+        return f"; the gradients of step {self.step} (the next) are not finite in {len(names)} tensors: {listed}"
 
     def parts(self, source: str = "the checkpoint") -> dict:
         """The checkpoint's contents, in load order: the records that a resume checks come first."""

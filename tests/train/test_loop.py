@@ -102,7 +102,7 @@ class FlakyObjective(torch.nn.Module):
         return self.inner.sample(*args, **kwargs)
 
 
-def train_flaky(tmp_path, cfg_of, nan_steps, extra=()):
+def train_flaky(tmp_path, cfg_of, nan_steps, extra=(), objective_wrapper=FlakyObjective):
     from hydra.utils import instantiate
 
     from flm.train import train
@@ -113,7 +113,7 @@ def train_flaky(tmp_path, cfg_of, nan_steps, extra=()):
     return train(
         run_dir=str(tmp_path),
         model=instantiate(cfg.model),
-        objective=FlakyObjective(instantiate(cfg.objective), nan_steps),
+        objective=objective_wrapper(instantiate(cfg.objective), nan_steps),
         data=instantiate(cfg.data),
         optim=instantiate(cfg.optim),
         trainer=instantiate(cfg.trainer),
@@ -128,6 +128,28 @@ def test_nonfinite_step_is_skipped(tmp_path, cfg_of, caplog):
     bundle = checkpoint.load(checkpoint.find_checkpoint(str(tmp_path)))
     assert all(torch.isfinite(v).all() for v in bundle["model"].values())
     assert bundle["optimizer"]["state"][0]["step"].item() == 3  # 4 steps, one skipped
+
+
+def test_nonfinite_gradients_are_named(tmp_path, cfg_of, caplog):
+    """A gradient that overflows in one tensor while the loss stays finite (how sCM at lr 1e-3 stopped on the H200):
+    the warning names the tensor. Steps that do not log are read one step late, with the next step's gradients."""
+
+    class Overflowing(FlakyObjective):  # the model's last parameter gets an inf gradient
+        name = None
+
+        def loss(self, model, x, y=None, *, step=0):
+            if Overflowing.name is None:
+                Overflowing.name, p = list(model.named_parameters())[-1]
+                p.register_hook(lambda g: torch.full_like(g, float("inf")))
+            return super().loss(model, x, y, step=step)
+
+    metrics = train_flaky(
+        tmp_path, cfg_of, set(), extra=["trainer.log_every=100", "trainer.max_nonfinite=10"], objective_wrapper=Overflowing
+    )
+    assert metrics["nonfinite_steps"] == 4
+    assert "step 0: non-finite loss" in caplog.text
+    assert f"the gradients of step 1 (the next) are not finite in 1 tensors: model.{Overflowing.name}" in caplog.text
+    assert "model.blocks" not in caplog.text  # the finite ones are not named
 
 
 def test_nonfinite_in_a_row_stops(tmp_path, cfg_of):
