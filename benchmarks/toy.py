@@ -28,6 +28,13 @@ as a distillation in flm does:
 
     PYTHONPATH=. python benchmarks/toy.py --objective meanflow --set teacher=exact --set tangent=sample \
         --set r_neq_t=1.0 --teacher-steps 2000 --steps 1000          # objective=meanflow_distill's choices
+
+With `--classes` the toy is class-conditional: each mixture component is a class (label dropout 0.1 by default, for
+the null class), and guidance in training (`--set cfg_omega=W`) has an exact answer too: the guided velocity
+W v(x, t | k) + (1 - W) v(x, t), the class's own Gaussian velocity and the mixture's, both closed form. The scores are
+then taken against the exact map of the guided flow (of the conditional flow at W = 1), labels 0..K-1 cycling:
+
+    PYTHONPATH=. python benchmarks/toy.py --objective scm --classes --set cfg_omega=2.0
 """
 
 import argparse
@@ -59,43 +66,59 @@ class GMM:
         self.weights = (torch.full((k,), 1.0 / k) if weights is None else weights / weights.sum()).double()
 
     def sample(self, n: int, generator=None) -> torch.Tensor:
+        return self.sample_labeled(n, generator)[0]
+
+    def sample_labeled(self, n: int, generator=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, the component each x was drawn from)."""
         k = torch.multinomial(self.weights, n, replacement=True, generator=generator)
-        return self.means[k] + self.s * torch.randn(n, self.dim, generator=generator, dtype=torch.float64)
+        return self.means[k] + self.s * torch.randn(n, self.dim, generator=generator, dtype=torch.float64), k
+
+    @property
+    def num_classes(self) -> int:
+        return self.means.shape[0]
 
     @property
     def dim(self) -> int:
         return self.means.shape[1]
 
-    def velocity(self, x, a, b, da, db, sigma_n):
-        """E[da x0 + db n | x_t = x] for x_t = a x0 + b n; a, b, da, db broadcast as (B, 1)."""
+    def velocity(self, x, a, b, da, db, sigma_n, classes=None):
+        """E[da x0 + db n | x_t = x] for x_t = a x0 + b n; a, b, da, db broadcast as (B, 1). classes: (B,) components
+        to condition on (the velocity of that Gaussian alone), None for the mixture's."""
         var = a**2 * self.s**2 + b**2 * sigma_n**2  # (B, 1): per-component variance of x_t
         diff = x[:, None, :] - a[:, None] * self.means[None]  # (B, K, 2): x - a mu_k
         # (B, K); the shared normaliser var^(-dim/2) cancels in the softmax
         logp = -0.5 * diff.square().sum(-1) / var + torch.log(self.weights)
         w = torch.softmax(logp, dim=1)[..., None]  # (B, K, 1) responsibilities
+        if classes is not None:
+            w = nn.functional.one_hot(classes, self.num_classes).to(w)[..., None]
         x0 = self.means[None] + (a * self.s**2 / var)[:, None] * diff  # E[x0 | x_t, k]
         n = (b * sigma_n**2 / var)[:, None] * diff  # E[n | x_t, k]
         return (w * (da[:, None] * x0 + db[:, None] * n)).sum(1)
 
 
-def linear_velocity(gmm: GMM):
-    """Marginal velocity of x_t = (1 - t) x0 + t eps (the flow-matching target's conditional mean)."""
+def guided(gmm: GMM, coefficients, classes, omega: float):
+    """omega v(x, t | classes) + (1 - omega) v(x, t) (the conditional velocity alone at omega = 1; the mixture's
+    without classes), on the path that coefficients(t) = (a, b, da, db, sigma_n) describes."""
 
     def v(x, t):
-        t = t.reshape(-1, 1).double()
-        return gmm.velocity(x, 1 - t, t, -torch.ones_like(t), torch.ones_like(t), 1.0)
+        coef = coefficients(t.reshape(-1, 1).double())
+        if classes is None:
+            return gmm.velocity(x, *coef)
+        cond = gmm.velocity(x, *coef, classes=classes)
+        return cond if omega == 1.0 else omega * cond + (1 - omega) * gmm.velocity(x, *coef)
 
     return v
 
 
-def trig_velocity(gmm: GMM, sigma_d: float):
-    """Marginal velocity of x_t = cos t x0 + sin t z, z ~ N(0, sigma_d^2 I)."""
+def linear_velocity(gmm: GMM, classes=None, omega: float = 1.0):
+    """Marginal velocity of x_t = (1 - t) x0 + t eps (the flow-matching target's conditional mean); with classes,
+    the guided one (`guided`)."""
+    return guided(gmm, lambda t: (1 - t, t, -torch.ones_like(t), torch.ones_like(t), 1.0), classes, omega)
 
-    def v(x, t):
-        t = t.reshape(-1, 1).double()
-        return gmm.velocity(x, torch.cos(t), torch.sin(t), -torch.sin(t), torch.cos(t), sigma_d)
 
-    return v
+def trig_velocity(gmm: GMM, sigma_d: float, classes=None, omega: float = 1.0):
+    """Marginal velocity of x_t = cos t x0 + sin t z, z ~ N(0, sigma_d^2 I); with classes, the guided one."""
+    return guided(gmm, lambda t: (torch.cos(t), torch.sin(t), -torch.sin(t), torch.cos(t), sigma_d), classes, omega)
 
 
 def flow_map(velocity, x, t_from, t_to, steps: int = 100):
@@ -141,13 +164,15 @@ def default_gmm(dim: int = 2) -> GMM:
 
 class ToyNet(nn.Module):
     """model(x, t, r=None, y=None) -> (B, dim): an MLP with the DiT's time embedding (of t, and t - r when
-    time_inputs=2), the conditioning added before every hidden layer."""
+    time_inputs=2) and, with num_classes, a label embedding (index num_classes: the null class), the conditioning
+    added before every hidden layer."""
 
-    num_classes = 0
-
-    def __init__(self, time_inputs: int = 1, time_scale: float = 1.0, hidden: int = 128, depth: int = 3, dim: int = 2):
+    def __init__(
+        self, time_inputs: int = 1, time_scale: float = 1.0, hidden: int = 128, depth: int = 3, dim: int = 2, num_classes: int = 0
+    ):
         super().__init__()
-        self.time_inputs = time_inputs
+        self.time_inputs, self.num_classes = time_inputs, num_classes
+        self.y_embedder = nn.Embedding(num_classes + 1, hidden) if num_classes else None
         self.t_embedder = TimestepEmbedder(hidden, time_scale=time_scale)
         self.dt_embedder = TimestepEmbedder(hidden, time_scale=time_scale) if time_inputs == 2 else None
         self.inp = nn.Linear(dim, hidden)
@@ -160,6 +185,8 @@ class ToyNet(nn.Module):
         c = self.t_embedder(t)
         if self.dt_embedder is not None:
             c = c + self.dt_embedder(t - r)
+        if self.y_embedder is not None and y is not None:
+            c = c + self.y_embedder(y)
         c = nn.functional.silu(c)
         h = self.inp(x)
         for lin, cond in zip(self.hidden, self.cond):
@@ -188,35 +215,45 @@ class ExactTeacher(nn.Module):
 class Scorer:
     """Fixed evaluation noise, its exact flow map to t = 0 and fresh data for the energy distance."""
 
-    def __init__(self, objective, gmm: GMM, n: int = 1000, seed: int = 1234):
+    def __init__(self, objective, gmm: GMM, n: int = 1000, seed: int = 1234, classes: bool = False):
         g = torch.Generator().manual_seed(seed)
         self.objective, self.gmm = objective, gmm
         self.noise = torch.randn(n, gmm.dim, generator=g, dtype=torch.float64)
-        self.data = gmm.sample(n, generator=g)[:, :2]  # energy distances in the plane of the modes
-        self.ed_floor = energy_distance(gmm.sample(n, generator=g)[:, :2], self.data)
+        # labels cycle over the classes; the energy distance is then to data of the same labels (unguided: guidance
+        # sharpens the samples away from it by design, err1 / err2 score the guided map)
+        self.labels = torch.arange(n) % gmm.num_classes if classes else None
+
+        def draw():
+            if not classes:
+                return gmm.sample(n, generator=g)
+            return gmm.means[self.labels] + gmm.s * torch.randn(n, gmm.dim, generator=g, dtype=torch.float64)
+
+        self.data = draw()[:, :2]  # energy distances in the plane of the modes
+        self.ed_floor = energy_distance(draw()[:, :2], self.data)
         self.scm = hasattr(objective, "sigma_d")
+        omega = getattr(objective, "cfg_omega", 1.0)
         if self.scm:
-            self.velocity = trig_velocity(gmm, objective.sigma_d)
+            self.velocity = trig_velocity(gmm, objective.sigma_d, self.labels, omega)
             self.t_start = objective.t_max
             self.x_start = objective.sigma_d * self.noise
         else:
-            self.velocity = linear_velocity(gmm)
+            self.velocity = linear_velocity(gmm, self.labels, omega)
             self.t_start, self.x_start = 1.0, self.noise
         self.exact = flow_map(self.velocity, self.x_start, self.t_start, 0.0)
 
     @torch.no_grad()
     def __call__(self, model) -> dict:
-        noise = self.noise.float()
-        x1 = self.objective.sample(model, noise, steps=1).double()
+        noise, y = self.noise.float(), self.labels
+        x1 = self.objective.sample(model, noise, y, steps=1).double()
         out = {"err1": float((x1 - self.exact).square().sum(1).mean()), "ed1": energy_distance(x1[:, :2], self.data)}
         if self.scm:  # the second jump from its own re-noised input at mid_t
             t_mid = self.objective.mid_t[0]
             eps = torch.randn(noise.shape, generator=torch.Generator().manual_seed(99), dtype=torch.float64)
             x_mid = math.cos(t_mid) * x1 + math.sin(t_mid) * self.objective.sigma_d * eps
-            x2 = self.objective.consistency_fn(model, x_mid.float(), t_mid, None).double()
+            x2 = self.objective.consistency_fn(model, x_mid.float(), t_mid, y).double()
             exact2 = flow_map(self.velocity, x_mid, t_mid, 0.0)
         else:
-            x2 = self.objective.sample(model, noise, steps=2).double()
+            x2 = self.objective.sample(model, noise, y, steps=2).double()
             exact2 = self.exact
         out.update(err2=float((x2 - exact2).square().sum(1).mean()), ed2=energy_distance(x2[:, :2], self.data))
         return out
@@ -248,6 +285,7 @@ def fit(
     dim: int = 2,
     n_eval: int = 1000,
     fit_teacher_steps: int = 0,
+    classes: bool = False,
     log=print,
     **objective_kwargs,
 ) -> tuple[list[dict], nn.Module]:
@@ -257,6 +295,7 @@ def fit(
     fit_teacher_steps: 0 distils (sCD, rCM, MeanFlow with teacher=...) the exact velocity into a fresh student;
     N > 0 first trains a flow-matching ToyNet for N steps, which is then the teacher and the student's (and
     rCM's fake score's) initialisation, as a distillation in flm starts (flm.train.loop.start_from).
+    classes: each component is a class (the labels go to the objective; scored against the guided flow's map).
     """
     settings = dict(batch=batch, lr=lr, lr_warmup=lr_warmup, ema=ema, time_scale=time_scale, hidden=hidden, depth=depth)
     gmm = default_gmm(dim)
@@ -266,12 +305,15 @@ def fit(
         every = dict(eval_every=fit_teacher_steps, seed=seed, dim=dim, n_eval=n_eval, fit_teacher_steps=0, log=log)
         teacher = fit("flow_matching", steps=fit_teacher_steps, **settings, **every)[1]
     torch.manual_seed(seed)
-    objective_kwargs.setdefault("label_dropout", 0.0)  # unconditional toy
+    objective_kwargs.setdefault("label_dropout", 0.1 if classes else 0.0)
     if objective_name in ("scd", "rcm", "meanflow_dmd"):
         objective_kwargs.setdefault("teacher", "exact")  # a name only: `teacher` above is the teacher
     objective = build_objective(objective_name, **objective_kwargs)
-    model = ToyNet(objective.time_inputs, time_scale, hidden, depth, dim)
+    k = gmm.num_classes if classes else 0
+    model = ToyNet(objective.time_inputs, time_scale, hidden, depth, dim, num_classes=k)
     declared = getattr(objective, "networks", {})  # distillation: the teacher, and rCM's fake score
+    if classes and (declared or objective_kwargs.get("teacher")):
+        raise ValueError("classes=True: the toy's teachers are unconditional; distil without classes")
     if fit_teacher_steps and any(network.model_init for network in declared.values()):
         start_from(model, teacher)
     ema_model = copy.deepcopy(model).requires_grad_(False)
@@ -288,13 +330,13 @@ def fit(
         networks[name] = fake_score_start(teacher, model, fit_teacher_steps, fresh) if network.trainable else teacher
         if network.trainable:
             optimizers[name] = (networks[name], torch.optim.Adam(networks[name].parameters(), **{"lr": lr, **network.optim}))
-    scorer = Scorer(objective, gmm, n=n_eval)
+    scorer = Scorer(objective, gmm, n=n_eval, classes=classes)
     data_gen = torch.Generator().manual_seed(seed + 1)
     history, t0 = [], time.perf_counter()
     for step in range(steps):
-        x = gmm.sample(batch, generator=data_gen).float()
+        x, y = gmm.sample_labeled(batch, generator=data_gen)
         target = {"ema": averages[target_decay]} if target_decay else {}
-        loss, _ = objective.loss(model, x, None, step=step, **networks, **target)
+        loss, _ = objective.loss(model, x.float(), y if classes else None, step=step, **networks, **target)
         losses = loss if isinstance(loss, dict) else {"model": loss}  # {network: its loss}
         for name, value in losses.items():
             net, net_opt = optimizers[name]
@@ -344,6 +386,7 @@ def main():
     p.add_argument("--eval-every", type=int, default=500)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dim", type=int, default=2, help="data dimension (> 2: zero-mean padding coordinates)")
+    p.add_argument("--classes", action="store_true", help="class-conditional: each component a class (see above)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="objective keyword argument")
     p.add_argument(
         "--teacher-steps", type=int, default=0, help="distillation: train a flow-matching teacher this long first (0: exact)"
@@ -362,6 +405,7 @@ def main():
         seed=args.seed,
         dim=args.dim,
         fit_teacher_steps=args.teacher_steps,
+        classes=args.classes,
         **{k: _value(v) for k, v in kwargs.items()},
     )
     print(f"energy-distance floor (two GMM samples): {history[-1]['ed_floor']:.5f}")
