@@ -121,6 +121,22 @@ def trig_velocity(gmm: GMM, sigma_d: float, classes=None, omega: float = 1.0):
     return guided(gmm, lambda t: (torch.cos(t), torch.sin(t), -torch.sin(t), torch.cos(t), sigma_d), classes, omega)
 
 
+def scm_guided_velocity(gmm: GMM, sigma_d: float, classes, omega: float, steps: int = 40):
+    """The field that sCM's guidance in training (flm.objectives.consistency, cfg_omega) targets where its null-class
+    model is exact: omega v(x, t | k) + (1 - omega) sigma_d F(x, t | null), F the exact consistency model's
+    (cos t x - sin t sigma_d F = the flow map to t = 0). sigma_d F is not the flow's velocity at t > 0 (d/dt of the
+    consistency function gives v = sigma_d F + tan t (x + sigma_d dF/dt)), so this is not the guided flow."""
+    v_null, v_cond = trig_velocity(gmm, sigma_d), trig_velocity(gmm, sigma_d, classes)
+
+    def v(x, t):
+        t = t.reshape(-1).double()
+        f = flow_map(v_null, x, t, 0.0, steps=steps)
+        sigma_d_F = (torch.cos(t)[:, None] * x - f) / torch.sin(t)[:, None]
+        return omega * v_cond(x, t) + (1 - omega) * sigma_d_F
+
+    return v
+
+
 def flow_map(velocity, x, t_from, t_to, steps: int = 100):
     """Integrate dx/dt = velocity(x, t) from t_from to t_to (floats or (B,) tensors) with RK4, float64."""
     x = x.double()
@@ -236,6 +252,9 @@ class Scorer:
             self.velocity = trig_velocity(gmm, objective.sigma_d, self.labels, omega)
             self.t_start = objective.t_max
             self.x_start = objective.sigma_d * self.noise
+            if classes and omega != 1.0:  # where sCM's guidance in training leads instead (err1_sg)
+                field = scm_guided_velocity(gmm, objective.sigma_d, self.labels, omega)
+                self.scm_guided = flow_map(field, self.x_start, self.t_start, 0.0, steps=50)
         else:
             self.velocity = linear_velocity(gmm, self.labels, omega)
             self.t_start, self.x_start = 1.0, self.noise
@@ -246,6 +265,11 @@ class Scorer:
         noise, y = self.noise.float(), self.labels
         x1 = self.objective.sample(model, noise, y, steps=1).double()
         out = {"err1": float((x1 - self.exact).square().sum(1).mean()), "ed1": energy_distance(x1[:, :2], self.data)}
+        if y is not None:  # guidance pushes samples out of the ring: the 1-step samples' mean radius, and the exact map's
+            out.update(rad1=float(x1[:, :2].norm(dim=1).mean()), rad_exact=float(self.exact[:, :2].norm(dim=1).mean()))
+        if hasattr(self, "scm_guided"):
+            out["err1_sg"] = float((x1 - self.scm_guided).square().sum(1).mean())
+            out["rad_sg"] = float(self.scm_guided[:, :2].norm(dim=1).mean())
         if self.scm:  # the second jump from its own re-noised input at mid_t
             t_mid = self.objective.mid_t[0]
             eps = torch.randn(noise.shape, generator=torch.Generator().manual_seed(99), dtype=torch.float64)

@@ -80,8 +80,12 @@ class SCM(nn.Module):
         label_dropout: probability of the null label (CFG training); classes read from the model.
         cfg_omega: guidance in training (MeanFlow's eq. 19 with kappa = 0, on TrigFlow): dx_t/dt becomes
             omega dx_t/dt + (1 - omega) sigma_d F(x_t / sigma_d, t | null), one more forward without gradient, in the
-            target and the JVP tangent alike, so the model learns the guided flow's consistency function and samples
-            it in one evaluation; samples whose label was dropped keep dx_t/dt. 1.0 turns it off.
+            target and the JVP tangent alike; samples whose label was dropped keep dx_t/dt. 1.0 turns it off.
+            It is NOT the guided flow: a consistency model's sigma_d F is not its flow's velocity at t > 0 (that is
+            sigma_d F + tan t (x_t + sigma_d dF/dt)). On the class-conditional toy (benchmarks/toy.py --classes) the
+            1-step samples land on the map of this field, whose guidance is nearly gone (docs/quality.md, nineteenth
+            day); it still raised the CPU MNIST run's label accuracy. For guided few-step sampling distil a teacher
+            with its guidance (sCD's teacher_cfg_scale).
         jvp_mode: "dual" (one dual pass) or "two_pass" (no-grad JVP pass + gradient pass).
         sigma_max: t_max = arctan(sigma_max / sigma_d) is where sampling starts.
         mid_t: intermediate times for multi-step sampling, used when steps == len(mid_t) + 1
@@ -156,8 +160,9 @@ class SCM(nn.Module):
 
     @torch.no_grad()
     def guided_dxdt(self, model, x_t, t, dx_t, y):
-        """omega dx_t/dt + (1 - omega) sigma_d F(x_t / sigma_d, t | null) (cfg_omega), where y (after label dropout)
-        is not the null class and t lies in cfg_interval; dx_t/dt elsewhere."""
+        """omega dx_t/dt + (1 - omega) sigma_d F(x_t / sigma_d, t | null) (cfg_omega; not the guided flow's velocity,
+        see the class docstring), where y (after label dropout) is not the null class and t lies in cfg_interval;
+        dx_t/dt elsewhere."""
         if y is None or num_classes(model) == 0:
             raise ValueError(
                 f"guidance in training (cfg_omega={self.cfg_omega}) needs a class-conditional model and labels; "
