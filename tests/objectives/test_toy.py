@@ -5,7 +5,17 @@ import math
 import pytest
 import torch
 
-from benchmarks.toy import GMM, default_gmm, energy_distance, fit, flow_map, linear_velocity, train, trig_velocity
+from benchmarks.toy import (
+    GMM,
+    default_gmm,
+    energy_distance,
+    fit,
+    flow_map,
+    linear_velocity,
+    scm_guided_velocity,
+    train,
+    trig_velocity,
+)
 
 
 def test_linear_flow_map_of_one_gaussian_is_the_affine_map():
@@ -53,6 +63,23 @@ def test_class_conditional_map_is_its_components_affine_map():
     torch.testing.assert_close(x0, gmm.means[k] + gmm.s * n, atol=1e-6, rtol=0)  # RK4 at s = 0.1: 6e-8
     guided = flow_map(linear_velocity(gmm, k, omega=3.0), n, 1.0, 0.0)
     assert guided.norm(dim=1).mean() > x0.norm(dim=1).mean() + 0.1
+
+
+def test_scm_guidance_field_is_not_the_velocity():
+    """sigma_d F of the exact consistency model (what sCM's cfg_omega puts in place of the null velocity; the field at
+    omega = 0) differs from the flow's velocity v by tan t (x + sigma_d dF/dt), dF/dt along the flow: the identity
+    holds to a central difference's error, and the difference is a large part of v."""
+    gmm, sigma_d, n, h = default_gmm(), 0.5, 100, 1e-3
+    g = torch.Generator().manual_seed(0)
+    sigma_d_F = scm_guided_velocity(gmm, sigma_d, torch.arange(n) % gmm.num_classes, omega=0.0, steps=200)
+    for t in (0.5, 1.0):
+        x = math.cos(t) * gmm.sample(n, generator=g) + math.sin(t) * sigma_d * torch.randn(n, 2, generator=g, dtype=torch.float64)
+        at = lambda s: torch.full((n,), s, dtype=torch.float64)  # noqa: E731
+        v = trig_velocity(gmm, sigma_d)(x, at(t))
+        dF_dt = (sigma_d_F(x + h * v, at(t + h)) - sigma_d_F(x - h * v, at(t - h))) / (2 * h * sigma_d)
+        rebuilt = sigma_d_F(x, at(t)) + math.tan(t) * (x + sigma_d * dF_dt)
+        torch.testing.assert_close(rebuilt, v, atol=2e-4, rtol=0)
+        assert (sigma_d_F(x, at(t)) - v).norm(dim=1).mean() > 0.3 * v.norm(dim=1).mean()
 
 
 @pytest.fixture
