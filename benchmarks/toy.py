@@ -96,7 +96,7 @@ class GMM:
         return (w * (da[:, None] * x0 + db[:, None] * n)).sum(1)
 
 
-def guided(gmm: GMM, coefficients, classes, omega: float):
+def guided_velocity(gmm: GMM, coefficients, classes, omega: float):
     """omega v(x, t | classes) + (1 - omega) v(x, t) (the conditional velocity alone at omega = 1; the mixture's
     without classes), on the path that coefficients(t) = (a, b, da, db, sigma_n) describes."""
 
@@ -112,13 +112,13 @@ def guided(gmm: GMM, coefficients, classes, omega: float):
 
 def linear_velocity(gmm: GMM, classes=None, omega: float = 1.0):
     """Marginal velocity of x_t = (1 - t) x0 + t eps (the flow-matching target's conditional mean); with classes,
-    the guided one (`guided`)."""
-    return guided(gmm, lambda t: (1 - t, t, -torch.ones_like(t), torch.ones_like(t), 1.0), classes, omega)
+    the guided one (`guided_velocity`)."""
+    return guided_velocity(gmm, lambda t: (1 - t, t, -torch.ones_like(t), torch.ones_like(t), 1.0), classes, omega)
 
 
 def trig_velocity(gmm: GMM, sigma_d: float, classes=None, omega: float = 1.0):
     """Marginal velocity of x_t = cos t x0 + sin t z, z ~ N(0, sigma_d^2 I); with classes, the guided one."""
-    return guided(gmm, lambda t: (torch.cos(t), torch.sin(t), -torch.sin(t), torch.cos(t), sigma_d), classes, omega)
+    return guided_velocity(gmm, lambda t: (torch.cos(t), torch.sin(t), -torch.sin(t), torch.cos(t), sigma_d), classes, omega)
 
 
 def scm_guided_velocity(gmm: GMM, sigma_d: float, classes, omega: float, steps: int = 40):
