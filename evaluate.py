@@ -8,6 +8,7 @@ statistics, per step count, and the digit classifier's label accuracy on MNIST-l
     torchrun --standalone --nproc_per_node=8 evaluate.py ckpt=RUN n=50000           # ranks split the images
     python evaluate.py ckpt=LATENT_RUN n=50000 ref=VIRTUAL_imagenet256_labeled.npz   # ADM's reference batch
     python evaluate.py ckpt=EXPORTED_FOLDER n=10000                                 # export.py's folder
+    python evaluate.py ckpt=MNIST_RUN n=1000 steps=[1,2] fid=false                   # CPU: the digit metrics alone
 
 The reference is the run's dataset (test split for MNIST and Fashion-MNIST, train for CIFAR-10), its
 statistics cached in fid_cache ($FLM_FID_CACHE, default ~/.cache/flm/fid) after the first use; a latent run's
@@ -41,12 +42,12 @@ def run_data(run_cfg: dict, root: str | None) -> DataConfig:
 
 
 def table(results: dict, steps: list[int]) -> str:
-    acc, fd, faint = (any(k.startswith(m) for k in results) for m in ("label_acc", "digit_fd", "faint"))
-    head = "| steps | FID |" + (" label accuracy |" if acc else "") + (" digit FD |" if fd else "")
+    has_fid, acc, fd, faint = (any(k.startswith(m) for k in results) for m in ("fid", "label_acc", "digit_fd", "faint"))
+    head = "| steps |" + (" FID |" if has_fid else "") + (" label accuracy |" if acc else "") + (" digit FD |" if fd else "")
     head += " faint pixels |" if faint else ""
     lines = [head, "|---" * head.count("|", 1) + "|"]
     for k in steps:
-        row = f"| {k} | {results[f'fid_steps{k}']:.2f} |"
+        row = f"| {k} |" + (f" {results[f'fid_steps{k}']:.2f} |" if has_fid else "")
         row += f" {100 * results[f'label_acc_steps{k}']:.2f} % |" if acc else ""
         row += f" {results[f'digit_fd_steps{k}']:.3f} |" if fd else ""
         lines.append(row + (f" {100 * results[f'faint_steps{k}']:.2f} % |" if faint else ""))
@@ -55,6 +56,8 @@ def table(results: dict, steps: list[int]) -> str:
 
 def run(cfg: DictConfig) -> dict:
     n = check_n(cfg.n)
+    if not isinstance(cfg.fid, bool):
+        raise ValueError(f"fid must be true or false, got {cfg.fid!r}")
     bundle, path = open_generator(str(cfg.ckpt))
     run_cfg = bundle["config"]
     device = dist.init(cfg.device)
@@ -90,6 +93,7 @@ def run(cfg: DictConfig) -> dict:
         ref=cfg.ref,
         decoder=decoder_of(run_cfg, device, path),
         grid=os.path.splitext(out)[0] if cfg.grid else None,
+        compute_fid=cfg.fid,
     )
     del bundle
     results = evaluator(model, objective)
@@ -104,16 +108,17 @@ def run(cfg: DictConfig) -> dict:
         "cfg_scale": cfg.cfg_scale,
         "mid_t": list(objective.mid_t) if hasattr(objective, "mid_t") else None,
         "seed": cfg.seed,
-        "reference": evaluator.reference.describe(),
-        "reference_n": evaluator.reference.n,
-        "inception": evaluator.net.name,
+        "reference": evaluator.reference.describe() if cfg.fid else None,
+        "reference_n": evaluator.reference.n if cfg.fid else None,
+        "inception": evaluator.net.name if cfg.fid else None,
         "results": results,
         "options": OmegaConf.to_container(cfg, resolve=True),
     }
     write_json(out, report)
+    against = f" vs {report['reference']}, {evaluator.reference.n or '?'} images" if cfg.fid else " (no FID)"
     print(
-        f"{n} images per step count from {path} ({cfg.weights} weights, cfg {cfg.cfg_scale:g}) vs "
-        f"{report['reference']}, {evaluator.reference.n or '?'} images\n{table(results, steps)}\n-> {out}",
+        f"{n} images per step count from {path} ({cfg.weights} weights, cfg {cfg.cfg_scale:g}){against}\n"
+        f"{table(results, steps)}\n-> {out}",
         flush=True,
     )
     return results

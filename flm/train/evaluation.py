@@ -76,17 +76,24 @@ class Evaluator:
     features: fid.FeatureNet | None = None  # a ready feature network (tests use a small stand-in)
     decoder: object | None = None  # a latent run's flm.latents.Decoder: `shape` is the latents', images are decoded
     grid: str | None = None  # a path prefix: rank 0 writes its first 100 images of k steps to <grid>-steps<k>.png
+    compute_fid: bool = True  # False: the digit metrics alone (an MNIST-like run), no Inception network or reference statistics
 
     def __post_init__(self):
         self.n, self.steps = check_n(self.n), parse_steps(self.steps)
         if self.batch_size <= 0:
             raise ValueError(f"batch_size must be > 0, got {self.batch_size}")
         self.shape, self.device = tuple(self.shape), torch.device(self.device)
-        self.net = self.features or fid.load_inception(self.inception, device=self.device)
         self.resolution = self.shape[-1] if self.decoder is None else self.decoder.resolution
         mnist_like = self.decoder is None and is_mnist_like(self.shape, self.num_classes, self.data.name)
+        if not (self.compute_fid or mnist_like):
+            raise ValueError(
+                f"fid=false leaves only the digit classifier's metrics, which need an MNIST run (10 classes of 1 x 28 x "
+                f"28 digits); this one has {self.num_classes} classes of {' x '.join(map(str, self.shape))} "
+                f"({self.data.name}): keep fid=true"
+            )
+        self.net = (self.features or fid.load_inception(self.inception, device=self.device)) if self.compute_fid else None
         self.classifier = digits.load_classifier(self.device) if mnist_like else None
-        self.reference = self._reference() if dist.is_main() else None  # only rank 0 computes the numbers
+        self.reference = self._reference() if self.compute_fid and dist.is_main() else None  # only rank 0 computes the numbers
         self.digit_reference = digits.reference_moments(self.classifier) if mnist_like and dist.is_main() else None
 
     def _reference(self) -> fid.Stats:
@@ -117,8 +124,8 @@ class Evaluator:
 
     @torch.no_grad()
     def __call__(self, model, objective) -> dict:
-        """{"fid_steps<k>": ..., and on MNIST "label_acc_steps<k>", "digit_fd_steps<k>" and "faint_steps<k>" (the
-        share of faint pixels, flm.metrics.pixels)} for every step count, on rank 0 ({} elsewhere)."""
+        """{"fid_steps<k>": ... (unless compute_fid=False), and on MNIST "label_acc_steps<k>", "digit_fd_steps<k>" and
+        "faint_steps<k>" (the share of faint pixels, flm.metrics.pixels)} for every step count, on rank 0 ({} elsewhere)."""
         world, rank = dist.world_size(), dist.rank()
         per_rank = -(-self.n // world)  # equal blocks; the few images past n are dropped after the gather
         labels = class_labels(per_rank * world, self.num_classes)
@@ -141,7 +148,8 @@ class Evaluator:
                     amp_dtype=self.amp_dtype,
                     decode=self.decoder,
                 )
-                feats.append(fid.features(images, self.net, batch_size=self.batch_size))
+                if self.compute_fid:
+                    feats.append(fid.features(images, self.net, batch_size=self.batch_size))
                 if self.grid and lo == 0:  # labels cycle 0..9: ten per row
                     save_grid(images[:100], f"{self.grid}-steps{steps}.png", nrow=self.num_classes if self.num_classes else None)
                 if self.classifier is not None:
@@ -149,14 +157,15 @@ class Evaluator:
                     correct.append((predicted == y.to(predicted.device)).float())
                     digit_feats.append(digit_f)
                     faint.append(faint_share_per_image(images))
-            feats = dist.all_gather_cat(torch.cat(feats))[: self.n]
+            feats = dist.all_gather_cat(torch.cat(feats))[: self.n] if self.compute_fid else None
             if self.classifier is not None:
                 accuracy = dist.all_gather_cat(torch.cat(correct))[: self.n].mean()
                 digit_feats = dist.all_gather_cat(torch.cat(digit_feats))[: self.n]
                 faint = dist.all_gather_cat(torch.cat(faint).to(self.device))[: self.n].mean()
             if dist.is_main():
-                mu, sigma = fid.moments(feats)
-                results[f"fid_steps{steps}"] = fid.frechet_distance(mu, sigma, self.reference.mu, self.reference.sigma)
+                if self.compute_fid:
+                    mu, sigma = fid.moments(feats)
+                    results[f"fid_steps{steps}"] = fid.frechet_distance(mu, sigma, self.reference.mu, self.reference.sigma)
                 if self.classifier is not None:
                     results[f"label_acc_steps{steps}"] = accuracy.item()
                     results[f"digit_fd_steps{steps}"] = fid.frechet_distance(*fid.moments(digit_feats), *self.digit_reference)

@@ -159,10 +159,28 @@ def test_steps_lists():
             parse_steps(bad)
 
 
+def test_digit_metrics_alone_need_no_inception(run, evaluate_run, tmp_path, capsys):
+    """fid=false: label accuracy, digit FD and faint pixels, the same numbers as beside FID, with no Inception file."""
+    base = [f"ckpt={run['dir']}", "n=12", "steps=[1,2]", "batch_size=5", "device=cpu"]
+    alone = evaluate_run(base + ["fid=false", f"inception={tmp_path / 'none.pt'}", f"out={tmp_path / 'digits.json'}"])
+    assert set(alone) == {f"{m}_steps{k}" for m in ("label_acc", "digit_fd", "faint") for k in (1, 2)}
+    assert "| steps | label accuracy | digit FD | faint pixels |" in capsys.readouterr().out
+    report = json.loads((tmp_path / "digits.json").read_text())
+    assert report["inception"] is None and report["reference"] is None
+    beside = evaluate_run(base + [f"inception={run['inception']}", f"ref={run['ref']}", f"out={tmp_path / 'all.json'}"])
+    assert {k: v for k, v in beside.items() if not k.startswith("fid")} == alone
+
+
+def test_digit_metrics_alone_refuse_other_data():
+    with pytest.raises(ValueError, match="fid=false leaves only the digit classifier's metrics.*keep fid=true"):
+        Evaluator(data=DataConfig(name="cifar10"), shape=(3, 32, 32), num_classes=10, n=4, compute_fid=False)
+
+
 def test_bad_inputs_are_one_line_errors(run, evaluate_run, tmp_path):
     base = [f"ckpt={run['dir']}", "n=4", "device=cpu", f"inception={run['inception']}", f"ref={run['ref']}"]
     assert "n must be an integer >= 2" in error_of(evaluate_run, base + ["n=abc"])
     assert "n must be an integer >= 2" in error_of(evaluate_run, base + ["n=1"])
+    assert "fid must be true or false, got 'maybe'" in error_of(evaluate_run, base + ["fid=maybe"])
     missing = error_of(evaluate_run, base + [f"inception={tmp_path / 'none.pt'}"])
     assert "not found" in missing and "fetch-data.sh DIR fid" in missing
     other = tmp_path / "cifar_stats.npz"
