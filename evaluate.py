@@ -99,6 +99,7 @@ def run(cfg: DictConfig) -> dict:
     results = evaluator(model, objective)
     if not dist.is_main():
         return results
+    ref = evaluator.reference  # None with fid=false
     report = {
         "checkpoint": os.path.abspath(path),
         "weights": cfg.weights,
@@ -108,14 +109,14 @@ def run(cfg: DictConfig) -> dict:
         "cfg_scale": cfg.cfg_scale,
         "mid_t": list(objective.mid_t) if hasattr(objective, "mid_t") else None,
         "seed": cfg.seed,
-        "reference": evaluator.reference.describe() if cfg.fid else None,
-        "reference_n": evaluator.reference.n if cfg.fid else None,
-        "inception": evaluator.net.name if cfg.fid else None,
+        "reference": ref.describe() if ref else None,
+        "reference_n": ref.n if ref else None,
+        "inception": evaluator.net.name if evaluator.net else None,
         "results": results,
         "options": OmegaConf.to_container(cfg, resolve=True),
     }
     write_json(out, report)
-    against = f" vs {report['reference']}, {evaluator.reference.n or '?'} images" if cfg.fid else " (no FID)"
+    against = f" vs {report['reference']}, {ref.n or '?'} images" if ref else " (no FID)"
     print(
         f"{n} images per step count from {path} ({cfg.weights} weights, cfg {cfg.cfg_scale:g}){against}\n"
         f"{table(results, steps)}\n-> {out}",

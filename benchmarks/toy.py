@@ -248,11 +248,12 @@ class Scorer:
         self.ed_floor = energy_distance(draw()[:, :2], self.data)
         self.scm = hasattr(objective, "sigma_d")
         omega = getattr(objective, "cfg_omega", 1.0)
+        self.scm_guided = None  # where sCM's guidance in training leads instead (err1_sg)
         if self.scm:
             self.velocity = trig_velocity(gmm, objective.sigma_d, self.labels, omega)
             self.t_start = objective.t_max
             self.x_start = objective.sigma_d * self.noise
-            if classes and omega != 1.0:  # where sCM's guidance in training leads instead (err1_sg)
+            if classes and omega != 1.0:
                 field = scm_guided_velocity(gmm, objective.sigma_d, self.labels, omega)
                 self.scm_guided = flow_map(field, self.x_start, self.t_start, 0.0, steps=50)
         else:
@@ -267,7 +268,7 @@ class Scorer:
         out = {"err1": float((x1 - self.exact).square().sum(1).mean()), "ed1": energy_distance(x1[:, :2], self.data)}
         if y is not None:  # guidance pushes samples out of the ring: the 1-step samples' mean radius, and the exact map's
             out.update(rad1=float(x1[:, :2].norm(dim=1).mean()), rad_exact=float(self.exact[:, :2].norm(dim=1).mean()))
-        if hasattr(self, "scm_guided"):
+        if self.scm_guided is not None:
             out["err1_sg"] = float((x1 - self.scm_guided).square().sum(1).mean())
             out["rad_sg"] = float(self.scm_guided[:, :2].norm(dim=1).mean())
         if self.scm:  # the second jump from its own re-noised input at mid_t

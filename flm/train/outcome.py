@@ -55,11 +55,10 @@ def to_host_async(values: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event 
 class Outcomes:
     """The pending step's outcome, the non-finite counters and the loss window."""
 
-    def __init__(self, max_nonfinite: int):
-        self.max_nonfinite = max_nonfinite
+    def __init__(self, max_nonfinite: int, describe=lambda: ""):
+        self.max_nonfinite, self.describe = max_nonfinite, describe  # describe(): what a skipped step's warning adds
         self.nonfinite, self.window = NonFinite(), LossWindow()
         self.pending = None  # (step, host copy of [loss, finite, grad norm], event)
-        self.describe = lambda: ""  # what a skipped step's warning adds: where the gradients being computed now overflow
 
     def record(self, step: int, loss: torch.Tensor, finite: torch.Tensor, grad_norm: torch.Tensor) -> None:
         """Start reading this step's outcome; settle() reads it."""

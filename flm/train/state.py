@@ -97,8 +97,7 @@ class TrainState:
         self.optimizers, self.loader, self.model_args, self.config = optimizers, loader, model_args, config
         self.trainable = trainable or {}  # the objective's trainable networks, unwrapped (saved)
         self.extras = extras or {}  # every network the objective declares, as its loss receives them
-        self.rng, self.outcomes, self.step = RNG(device), Outcomes(max_nonfinite), 0
-        self.outcomes.describe = self.nonfinite_grads
+        self.rng, self.outcomes, self.step = RNG(device), Outcomes(max_nonfinite, describe=self.nonfinite_grads), 0
 
     def nonfinite_grads(self, shown: int = 4) -> str:
         """For a skipped step's warning, read while the next step's gradients are in place (the host reads an
