@@ -131,3 +131,8 @@ def test_the_toy_keeps_an_objectives_target_ema_beside_the_scored_one(target_dec
     assert len(seen) == 4 and all(e is seen[0] and e is not None for e in seen)
     assert (seen[0] is scored) == (target_decay == 0.99)  # one EMA at a shared decay, the scored one moving
     assert len(history) == 1
+
+
+def test_classes_refuse_the_unconditional_teachers():
+    with pytest.raises(ValueError, match="the toy's teachers are unconditional; distil without classes"):
+        fit("scd", steps=1, classes=True, log=lambda _: None)
