@@ -124,13 +124,17 @@ class Optimizer:
         return clip_grad_norm_(self.params, self.cfg.grad_clip if self.cfg.grad_clip > 0 else math.inf)
 
     @torch.no_grad()
-    def nonfinite_grads(self) -> list[str]:
-        """Names of the parameters whose gradient (this rank's shard) holds an inf or NaN now; one host sync."""
+    def grad_peaks(self) -> dict[str, float]:
+        """Each parameter's largest gradient magnitude now (this rank's shard; inf or nan where it is not
+        finite), by name; one host sync. max |g| cannot overflow where the norm can: float32's sum of squares
+        overflows from |g| ~ 1e19 on, with every gradient finite."""
         named = [(name, p.grad) for name, p in self.modules.named_parameters() if p.grad is not None]
         if not named:
-            return []
-        finite = torch.stack([torch.isfinite(local(g)).all() for _, g in named]).tolist()
-        return [name for (name, _), ok in zip(named, finite) if not ok]
+            return {}
+        shards = [local(g).detach() for _, g in named]  # an FSDP2 shard may be empty on this rank
+        peaks = [g.abs().amax().float() if g.numel() else g.new_zeros((), dtype=torch.float) for g in shards]
+        peaks = torch.stack(peaks).tolist()
+        return {name: peak for (name, _), peak in zip(named, peaks)}
 
     def step(self, skip: torch.Tensor) -> None:
         optimizer_step(self.opt, self.sched, skip)

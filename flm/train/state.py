@@ -15,6 +15,7 @@ Networks, EMAs and optimizers hold whole tensors in the bundle (gathered from FS
 checkpoint resumes under one process, DDP or FSDP2, with any number of ranks.
 """
 
+import math
 from collections.abc import Mapping
 
 import torch
@@ -101,13 +102,18 @@ class TrainState:
 
     def nonfinite_grads(self, shown: int = 4) -> str:
         """For a skipped step's warning, read while the next step's gradients are in place (the host reads an
-        outcome one step late): the parameters whose gradient is not finite, "" when there are none or no
-        gradients (after the update)."""
-        names = [name for opt in self.optimizers.values() for name in opt.nonfinite_grads()]
-        if not names:
+        outcome one step late): the parameters whose gradient is not finite, or, when all are finite, the
+        largest ones (their norm can overflow); "" when there are no gradients (after the update)."""
+        peaks = {name: peak for opt in self.optimizers.values() for name, peak in opt.grad_peaks().items()}
+        if not peaks:
             return ""
-        listed = ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
-        return f"; the gradients of step {self.step} (the next) are not finite in {len(names)} tensors: {listed}"
+        bad = [name for name, peak in peaks.items() if not math.isfinite(peak)]
+        if bad:
+            listed = ", ".join(bad[:shown]) + (f" and {len(bad) - shown} more" if len(bad) > shown else "")
+            return f"; the gradients of step {self.step} (the next) are not finite in {len(bad)} tensors: {listed}"
+        top = sorted(peaks, key=peaks.get, reverse=True)[:shown]
+        listed = ", ".join(f"{name} ({peaks[name]:.2g})" for name in top)
+        return f"; the gradients of step {self.step} (the next) are finite, the largest max |g|: {listed}"
 
     def parts(self, source: str = "the checkpoint") -> dict:
         """The checkpoint's contents, in load order: the records that a resume checks come first."""

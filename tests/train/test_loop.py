@@ -152,6 +152,25 @@ def test_nonfinite_gradients_are_named(tmp_path, cfg_of, caplog):
     assert "model.blocks" not in caplog.text  # the finite ones are not named
 
 
+def test_an_overflowing_gradient_norm_names_the_largest_gradients(tmp_path, cfg_of, caplog):
+    """Every gradient finite, their norm not (float32's sum of squares overflows; how sCM at lr 1e-3 stopped on the
+    H200, where no tensor was named): the step is skipped and the warning names the largest gradients instead."""
+
+    class Huge(FlakyObjective):  # the model's last parameter gets a finite gradient of 1e30
+        name = None
+
+        def loss(self, model, x, y=None, *, step=0):
+            if Huge.name is None:
+                Huge.name, p = list(model.named_parameters())[-1]
+                p.register_hook(lambda g: torch.full_like(g, 1e30))
+            return super().loss(model, x, y, step=step)
+
+    extra = ["trainer.log_every=100", "trainer.max_nonfinite=10"]
+    metrics = train_flaky(tmp_path, cfg_of, set(), extra=extra, objective_wrapper=Huge)
+    assert metrics["nonfinite_steps"] == 4
+    assert f"the gradients of step 1 (the next) are finite, the largest max |g|: model.{Huge.name} (1e+30)" in caplog.text
+
+
 def test_nonfinite_in_a_row_stops(tmp_path, cfg_of):
     with pytest.raises(FloatingPointError, match="2 non-finite steps in a row .* Lower optim.lr"):
         train_flaky(tmp_path, cfg_of, nan_steps=None, extra=["trainer.max_nonfinite=2"])
