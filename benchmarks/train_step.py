@@ -15,8 +15,8 @@ randomly initialised DiT of the student's size (the cost does not depend on the 
 one cycle of its alternation: a fake-score step (student sample + fake-score flow-matching step) plus a
 student step (sCD + the DMD term's teacher and fake-score forwards); under `--exec graph` each of the
 two is its own CUDA graph, as in the loop. `--exec compile` runs torch.compile over the objective's
-loss (JVP objectives with jvp_mode func and math attention only: Dynamo traces torch.func.jvp, flm.nn's
-layers are their plain ops under compile, and inductor fails in the backward of the fused kernel's JVP op).
+loss (JVP objectives with jvp_mode func and math or triton_jvp attention: Dynamo traces torch.func.jvp, flm.nn's
+layers are their plain ops under compile, and the fused kernel's JVP op has an autograd formula for compiled code).
 
     PYTHONPATH=. python benchmarks/train_step.py                                    # full table (H200)
     PYTHONPATH=. python benchmarks/train_step.py --models DiT-B/2 --tokens 1024,4096 --backends triton_jvp
@@ -210,8 +210,8 @@ def rows_to_run(args):
                 for backend in args.backends:
                     for objective in args.objectives:
                         jvp_objective = split_objective(objective)[0] in JVP_OBJECTIVES
-                        if execution == "compile" and jvp_objective and backend != "math":
-                            continue  # a compiled JVP takes math attention only (flm.train.settings.check_compile)
+                        if execution == "compile" and jvp_objective and backend not in ("math", "triton_jvp"):
+                            continue  # a compiled JVP takes math or the fused kernel (flm.train.settings.check_compile)
                         modes = ["func"] if execution == "compile" else args.modes  # Dynamo traces torch.func.jvp only
                         for mode in modes if jvp_objective else ["-"]:
                             yield model_name, tokens, objective, backend, mode, execution

@@ -450,6 +450,24 @@ class _AttentionWithJVP(_Attention):
         return to, None
 
 
+def _jvp_fwd_setup_context(ctx, inputs, output):
+    q, k, v, _, _, _, causal, scale, bias, _, key_padding_mask = inputs
+    o, _, lse = output
+    ctx.causal, ctx.scale, ctx.bias_grad = causal, scale, bias is not None and bias.requires_grad
+    ctx.save_for_backward(q, k, v, o, lse, bias, key_padding_mask)
+
+
+def _jvp_fwd_backward(ctx, do, _dto, _dlse):
+    """The fused op's gradient where torch.compile differentiates it directly (torch.func.jvp traced through
+    _AttentionWithJVP's rule): o's, as _JVPAttention's; the tangent and lse take none, as in eager mode, where
+    they are marked non-differentiable (every objective stops the tangent's gradient)."""
+    dq, dk, dv, dbias = _backward(ctx, do, bias_grad=ctx.bias_grad)
+    return dq, dk, dv, None, None, None, None, None, dbias, None, None
+
+
+_jvp_fwd_op.register_autograd(_jvp_fwd_backward, setup_context=_jvp_fwd_setup_context)
+
+
 @signed
 class _JVPAttention(torch.autograd.Function):
     """(o, to) from one fused launch; o differentiable (FlashAttention backward, or flm's Triton

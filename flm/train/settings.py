@@ -114,15 +114,15 @@ def check_prediction(objective, prediction: str) -> None:
 
 def check_compile(trainer: TrainerConfig, objective, world: int, attention: str) -> None:
     """trainer.compile=true compiles a JVP objective's loss, which Dynamo traces only through torch.func.jvp, and
-    with math attention: inductor fails in the backward of the fused JVP kernel's op (torch 2.14.1, CPU
-    interpreter), and `auto` would pick SDPA or the fused kernel, whose JVP under compile was not tested."""
+    with math attention or the fused kernel (its JVP op has an autograd formula for compiled code); `auto` could
+    pick SDPA, whose JVP under compile was not tested."""
     if not (trainer.compile and takes_jvp(objective)):
         return
-    if attention != "math":
+    if attention not in ("math", "triton_jvp"):
         raise ValueError(
-            f"trainer.compile=true compiles {type(objective).__name__}'s loss, JVP included, with math attention only "
-            f"(the fused kernel's JVP does not compile), and this run has attention={attention}; pass attention=math, "
-            f"or trainer.compile=false to keep {attention}"
+            f"trainer.compile=true compiles {type(objective).__name__}'s loss, JVP included, with math or triton_jvp "
+            f"attention only, and this run has attention={attention}; pass attention=triton_jvp (a GPU) or "
+            f"attention=math, or trainer.compile=false to keep {attention}"
         )
     if objective.jvp_mode != "func":
         raise ValueError(

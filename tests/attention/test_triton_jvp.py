@@ -141,6 +141,36 @@ def test_compiles_without_graph_breaks():
     torch.testing.assert_close(w_grad, w.grad)
 
 
+def test_a_compiled_jvp_takes_the_fused_kernel(monkeypatch):
+    """torch.func.jvp under torch.compile (trainer.compile's path): one fused launch gives o and its tangent, and the
+    loss and gradients match eager mode; the fused op's autograd formula gives o's gradient in compiled code."""
+    torch._dynamo.reset()
+    q, k, v, tq, tk, tv = _qkv(1, 2, 16, 16, 32, torch.float32, seed=6)
+    for x in (q, k, v):
+        x.requires_grad_(True)
+    w = torch.randn(32, 32, requires_grad=True)
+
+    def step(q, k, v):
+        f = lambda q, k, v: attention(q @ w, k, v, backend="triton_jvp")  # noqa: E731
+        o, to = torch.func.jvp(f, (q, k, v), (tq, tk, tv))
+        return o.square().sum() + (o * to.detach()).sum()
+
+    launches = []
+    fused = triton_jvp.attention_fwd
+    monkeypatch.setattr(triton_jvp, "attention_fwd", lambda *a, **kw: launches.append(len(a)) or fused(*a, **kw))
+    loss = torch.compile(step)(q, k, v)
+    loss.backward()
+    assert launches == [6]  # q, k, v and their tangents: the fused JVP kernel, no separate plain forward
+    compiled = [x.grad.clone() for x in (q, k, v, w)]
+    for x in (q, k, v, w):
+        x.grad = None
+    eager = step(q, k, v)
+    eager.backward()
+    torch.testing.assert_close(loss, eager)
+    for got, want in zip(compiled, (q.grad, k.grad, v.grad, w.grad)):
+        torch.testing.assert_close(got, want)
+
+
 def _fake_flash_attn_backward(
     dout,
     q,

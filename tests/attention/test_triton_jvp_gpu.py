@@ -184,6 +184,23 @@ def test_compiled_step_with_inductor_has_no_graph_break():
     assert rel_err(g, w.grad) < 1e-2
 
 
+def test_a_compiled_jvp_step_with_inductor_matches_eager():
+    """trainer.compile's path: torch.func.jvp through the fused kernel, compiled by inductor, in bf16."""
+    torch._dynamo.reset()
+    q, k, v, tq, tk, tv = _qkv(2, 4, 512, 512, 64, torch.bfloat16)
+    w = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+
+    def step(q, k, v):
+        f = lambda q, k, v: fa.attention(q @ w, k, v, backend="triton_jvp")  # noqa: E731
+        o, to = torch.func.jvp(f, (q, k, v), (tq, tk, tv))
+        return (o.float().square().sum() + (o.float() * to.detach().float()).sum()) / o.numel()
+
+    torch.compile(step)(q, k, v).backward()
+    g, w.grad = w.grad.clone(), None
+    step(q, k, v).backward()
+    assert rel_err(g, w.grad) < 1e-2
+
+
 # ---------------------------------------------------------------------------------------------
 # Additive bias and key-padding masks (flm's Triton backward, not FlashAttention's, takes the gradient)
 # ---------------------------------------------------------------------------------------------

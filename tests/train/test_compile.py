@@ -8,15 +8,17 @@ import torch
 from .test_graphs import read_losses
 
 COMPILED = ["objective=meanflow", "objective.jvp_mode=func", "objective.cfg_omega=1.0", "objective.tangent=sample"]
-COMPILED += ["attention=math", "trainer.log_every=1"]
+COMPILED += ["trainer.log_every=1"]
 
 
-def test_a_compiled_meanflow_run_follows_the_eager_run(tmp_path, train_run, monkeypatch):
+@pytest.mark.parametrize("attention", ["math", "triton_jvp"])  # the fused kernel in Triton's CPU interpreter
+def test_a_compiled_meanflow_run_follows_the_eager_run(tmp_path, train_run, attention):
     import torch._inductor.config as inductor
 
-    monkeypatch.setattr(inductor, "fallback_random", True)  # eager's random numbers, to compare step by step
-    train_run(tmp_path / "eager", COMPILED)
-    train_run(tmp_path / "compiled", COMPILED + ["trainer.compile=true"])
+    overrides = COMPILED + [f"attention={attention}"]
+    train_run(tmp_path / "eager", overrides)
+    with inductor.patch(fallback_random=True):  # eager's random numbers, to compare step by step
+        train_run(tmp_path / "compiled", overrides + ["trainer.compile=true"])
     eager, compiled = (read_losses(tmp_path / name) for name in ("eager", "compiled"))
     assert len(eager) == len(compiled) == 4
     torch.testing.assert_close(torch.tensor(compiled), torch.tensor(eager), rtol=1e-4, atol=1e-6)
@@ -31,9 +33,10 @@ def test_compile_needs_the_func_jvp_mode(tmp_path, train_run, mode):
     assert not (tmp_path / "checkpoints").exists()
 
 
-@pytest.mark.parametrize("attention", ["auto", "triton_jvp", "sdpa"])
-def test_compile_of_a_jvp_objective_needs_math_attention(tmp_path, train_run, attention):
+@pytest.mark.parametrize("attention", ["auto", "sdpa"])
+def test_compile_of_a_jvp_objective_needs_math_or_the_fused_kernel(tmp_path, train_run, attention):
     overrides = ["objective=meanflow", "objective.jvp_mode=func", f"attention={attention}", "trainer.compile=true"]
-    with pytest.raises(ValueError, match=f"with math attention only.*attention={attention}; pass attention=math"):
+    refusal = f"with math or triton_jvp attention only.*attention={attention}; pass attention=triton_jvp"
+    with pytest.raises(ValueError, match=refusal):
         train_run(tmp_path, overrides)
     assert not (tmp_path / "checkpoints").exists()
