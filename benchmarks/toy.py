@@ -181,10 +181,17 @@ def default_gmm(dim: int = 2) -> GMM:
 class ToyNet(nn.Module):
     """model(x, t, r=None, y=None) -> (B, dim): an MLP with the DiT's time embedding (of t, and t - r when
     time_inputs=2) and, with num_classes, a label embedding (index num_classes: the null class), the conditioning
-    added before every hidden layer."""
+    added before every hidden layer; velocity_head: a second output layer (the DiT's head="velocity" / "both")."""
 
     def __init__(
-        self, time_inputs: int = 1, time_scale: float = 1.0, hidden: int = 128, depth: int = 3, dim: int = 2, num_classes: int = 0
+        self,
+        time_inputs: int = 1,
+        time_scale: float = 1.0,
+        hidden: int = 128,
+        depth: int = 3,
+        dim: int = 2,
+        num_classes: int = 0,
+        velocity_head: bool = False,
     ):
         super().__init__()
         self.time_inputs, self.num_classes = time_inputs, num_classes
@@ -195,8 +202,9 @@ class ToyNet(nn.Module):
         self.hidden = nn.ModuleList(nn.Linear(hidden, hidden) for _ in range(depth))
         self.cond = nn.ModuleList(nn.Linear(hidden, hidden) for _ in range(depth))
         self.out = nn.Linear(hidden, dim)
+        self.velocity_out = nn.Linear(hidden, dim) if velocity_head else None
 
-    def forward(self, x, t, r=None, y=None):
+    def forward(self, x, t, r=None, y=None, head: str = "output"):
         t = t.expand(x.shape[0]) if t.dim() == 0 else t
         c = self.t_embedder(t)
         if self.dt_embedder is not None:
@@ -207,7 +215,12 @@ class ToyNet(nn.Module):
         h = self.inp(x)
         for lin, cond in zip(self.hidden, self.cond):
             h = h + lin(nn.functional.silu(h + cond(c)))
-        return self.out(nn.functional.silu(h))
+        h = nn.functional.silu(h)
+        if head == "output":
+            return self.out(h)
+        if head == "velocity":
+            return self.velocity_out(h)
+        return torch.cat([self.out(h), self.velocity_out(h)], dim=1)
 
 
 class ExactTeacher(nn.Module):
@@ -335,7 +348,15 @@ def fit(
         objective_kwargs.setdefault("teacher", "exact")  # a name only: `teacher` above is the teacher
     objective = build_objective(objective_name, **objective_kwargs)
     k = gmm.num_classes if classes else 0
-    model = ToyNet(objective.time_inputs, time_scale, hidden, depth, dim, num_classes=k)
+    model = ToyNet(
+        objective.time_inputs,
+        time_scale,
+        hidden,
+        depth,
+        dim,
+        num_classes=k,
+        velocity_head=getattr(objective, "velocity_head", False),
+    )
     declared = getattr(objective, "networks", {})  # distillation: the teacher, and rCM's fake score
     if classes and (declared or objective_kwargs.get("teacher")):
         raise ValueError("classes=True: the toy's teachers are unconditional; distil without classes")

@@ -28,6 +28,7 @@ def build_model(
     time_scale: float = 1.0,
     attention: str = "auto",
     prediction: str = "velocity",
+    velocity_head: bool = False,
 ) -> DiT:
     """A DiT of size `name` (a key of MODEL_SIZES, e.g. "DiT-B/2").
 
@@ -36,7 +37,8 @@ def build_model(
     time_inputs: 1 (t) or 2 (t, r: MeanFlow); time_scale: the time embedding's sinusoids are of
     time_scale * t (1: the objective's units; DiT's diffusion code used 1000); attention: a flm.attention backend name or "auto";
     prediction: "velocity", or "data" (the network predicts the clean image, forward returns the linear path's velocity;
-    flm.models.dit).
+    flm.models.dit); velocity_head: a second output, the flow's velocity, beside a consistency model's (sCM's
+    objective.velocity_weight asks for it).
     """
     check_name(name)
     depth, hidden, heads, patch = MODEL_SIZES[name]
@@ -52,6 +54,7 @@ def build_model(
         time_scale=time_scale,
         attention=attention,
         prediction=prediction,
+        velocity_head=velocity_head,
     )
 
 
@@ -94,7 +97,7 @@ class ModelConfig:
             return self
         return dataclasses.replace(self, prediction=saved if saved in predictions else predictions[0])
 
-    def args(self, *, input_size: int, in_channels: int, num_classes: int, time_inputs: int) -> dict:
+    def args(self, *, input_size: int, in_channels: int, num_classes: int, time_inputs: int, velocity_head: bool = False) -> dict:
         """build_model's keywords (what a checkpoint records as model_args); prediction resolved first."""
         if self.prediction == "auto":
             raise ValueError("model.prediction=auto has no network yet: resolve_prediction(objective.predictions) first")
@@ -104,6 +107,7 @@ class ModelConfig:
             in_channels=in_channels,
             num_classes=num_classes,
             time_inputs=time_inputs,
+            velocity_head=velocity_head,
         )
 
     def check_runs(self, device: torch.device, dtype: torch.dtype | None) -> None:

@@ -191,6 +191,7 @@ class DiT(nn.Module):
         time_scale: float = 1.0,
         attention: str = "auto",
         prediction: str = "velocity",
+        velocity_head: bool = False,
     ):
         super().__init__()
         if input_size % patch_size:
@@ -205,7 +206,12 @@ class DiT(nn.Module):
         if num_classes < 0:
             raise ValueError(f"num_classes must be >= 0 (0: unconditional), got {num_classes}")
         check_prediction(prediction)
-        self.prediction = prediction
+        if velocity_head and prediction != "velocity":
+            raise ValueError(
+                f"velocity_head=True is a second output beside a velocity-predicting model's (sCM's guidance in "
+                f"training), and this model predicts {prediction!r}; build it with prediction='velocity'"
+            )
+        self.prediction, self.velocity_head = prediction, bool(velocity_head)
         self.input_size, self.in_channels, self.patch_size = input_size, in_channels, patch_size
         self.num_classes, self.time_inputs = num_classes, time_inputs
         self.grid = input_size // patch_size
@@ -217,6 +223,8 @@ class DiT(nn.Module):
         self.y_embedder = nn.Embedding(num_classes + 1, hidden_size) if num_classes > 0 else None
         self.blocks = nn.ModuleList(DiTBlock(hidden_size, num_heads, mlp_ratio, attention) for _ in range(depth))
         self.final_layer = FinalLayer(hidden_size, patch_size, in_channels)
+        # the flow's velocity beside an output that is not one (a consistency model's F), from the same trunk
+        self.velocity_layer = FinalLayer(hidden_size, patch_size, in_channels) if velocity_head else None
         self.initialize_weights()
 
     def initialize_weights(self) -> None:
@@ -234,15 +242,23 @@ class DiT(nn.Module):
         for block in self.blocks:
             nn.init.zeros_(block.adaLN_modulation.weight)
             nn.init.zeros_(block.adaLN_modulation.bias)
-        for layer in (self.final_layer.adaLN_modulation, self.final_layer.linear):
-            nn.init.zeros_(layer.weight)
-            nn.init.zeros_(layer.bias)
+        for final in (self.final_layer, self.velocity_layer):
+            for layer in () if final is None else (final.adaLN_modulation, final.linear):
+                nn.init.zeros_(layer.weight)
+                nn.init.zeros_(layer.bias)
 
-    def forward(self, x, t, r=None, y=None, *, features=None):
+    def forward(self, x, t, r=None, y=None, *, features=None, head: str = "output"):
         """features: block indices; returns the hidden states (B, N, D) after those blocks, in that order, instead of
         the output, and runs no block after the last of them (a discriminator's features, flm.objectives.adversarial;
-        through forward so that FSDP's and DDP's hooks run)."""
+        through forward so that FSDP's and DDP's hooks run).
+        head (a model built with velocity_head): "output" (the default), "velocity" (the velocity head's output), or
+        "both" (the two concatenated along the channels, (B, 2C, H, W): one tensor for a JVP)."""
         B, C, H, W = x.shape
+        if head != "output" and (head not in ("velocity", "both") or not self.velocity_head):
+            raise ValueError(
+                f"head must be 'output', or 'velocity' / 'both' on a model built with velocity_head=True (this one: "
+                f"velocity_head={self.velocity_head}), got {head!r}"
+            )
         if features is not None and (not features or any(not 0 <= i < len(self.blocks) for i in features)):
             raise ValueError(
                 f"feature blocks must be indices in [0, {len(self.blocks)}) of this model's blocks, got {list(features)}"
@@ -256,13 +272,22 @@ class DiT(nn.Module):
             return [hidden[i] for i in features]
         for block in self.blocks:
             h = block(h, c_act)
-        out = self.final_layer(h, c_act)  # (B, N, p * p * C)
-        # unpatchify: (B, N, p * p * C) -> (B, C, H, W)
-        p, gh, gw = self.patch_size, H // self.patch_size, W // self.patch_size
-        out = out.reshape(B, gh, gw, p, p, C).permute(0, 5, 1, 3, 2, 4).reshape(B, C, H, W)
+        if head != "output":
+            velocity = self._unpatchify(self.velocity_layer(h, c_act), x.shape).to(x.dtype)
+            if head == "velocity":
+                return velocity
+        out = self._unpatchify(self.final_layer(h, c_act), x.shape)
+        if head == "both":
+            return torch.cat([out.to(x.dtype), velocity], dim=1)
         if self.prediction == "data":  # out is x^; the velocity (x_t - x^) / t, in x's precision (t (B,) or a scalar)
             return (x - out.to(x.dtype)) / t.to(x.dtype).clamp_min(T_MIN).reshape(-1, 1, 1, 1)
         return out.to(x.dtype)
+
+    def _unpatchify(self, out, shape):
+        """(B, N, p * p * C) -> (B, C, H, W)"""
+        B, C, H, W = shape
+        p, gh, gw = self.patch_size, H // self.patch_size, W // self.patch_size
+        return out.reshape(B, gh, gw, p, p, C).permute(0, 5, 1, 3, 2, 4).reshape(B, C, H, W)
 
     def _embed(self, x, t, r, y):
         """The patch tokens (B, N, D) with their positions, and SiLU of the conditioning (B, D)."""

@@ -79,13 +79,17 @@ class SCM(nn.Module):
         logvar_channels: Fourier features of the adaptive-weighting head.
         label_dropout: probability of the null label (CFG training); classes read from the model.
         cfg_omega: guidance in training (MeanFlow's eq. 19 with kappa = 0, on TrigFlow): dx_t/dt becomes
-            omega dx_t/dt + (1 - omega) sigma_d F(x_t / sigma_d, t | null), one more forward without gradient, in the
-            target and the JVP tangent alike; samples whose label was dropped keep dx_t/dt. 1.0 turns it off.
-            It is NOT the guided flow: a consistency model's sigma_d F is not its flow's velocity at t > 0 (that is
-            sigma_d F + tan t (x_t + sigma_d dF/dt)). On the class-conditional toy (benchmarks/toy.py --classes) the
-            1-step samples land on the map of this field, whose guidance is nearly gone (docs/quality.md, nineteenth
-            day); it still raised the CPU MNIST run's label accuracy. For guided few-step sampling distil a teacher
-            with its guidance (sCD's teacher_cfg_scale).
+            omega dx_t/dt + (1 - omega) v_null, one more forward without gradient, in the target and the JVP tangent
+            alike; samples whose label was dropped keep dx_t/dt. 1.0 turns it off. v_null is the velocity head's
+            sigma_d V(x_t / sigma_d, t | null) with velocity_weight > 0 (the guided flow), else sigma_d F(x_t / sigma_d,
+            t | null), which is NOT the guided flow: a consistency model's sigma_d F is not its flow's velocity at
+            t > 0 (that is sigma_d F + tan t (x_t + sigma_d dF/dt)). On the class-conditional toy (benchmarks/toy.py
+            --classes) the 1-step samples then land on the map of that field, whose guidance is nearly gone
+            (docs/quality.md, nineteenth day); it still raised the CPU MNIST run's label accuracy.
+        velocity_weight: > 0 trains the model's velocity head (flm.models.dit, velocity_head: the flow's velocity
+            from the trunk that computes F, in the same forward) by flow matching on TrigFlow,
+            velocity_weight x ||sigma_d V - dx_t/dt||^2 / D with the data's dx_t/dt, and takes guidance in training's
+            null velocity from it. 0 (the default): no head.
         jvp_mode: "dual" (one dual pass) or "two_pass" (no-grad JVP pass + gradient pass).
         sigma_max: t_max = arctan(sigma_max / sigma_d) is where sampling starts.
         mid_t: intermediate times for multi-step sampling, used when steps == len(mid_t) + 1
@@ -111,6 +115,7 @@ class SCM(nn.Module):
         logvar_channels: int = 128,
         label_dropout: float = 0.1,
         cfg_omega: float = 1.0,
+        velocity_weight: float = 0.0,
         jvp_mode: str = "dual",
         sigma_max: float = 80.0,
         mid_t: tuple[float, ...] = (1.1,),
@@ -132,11 +137,19 @@ class SCM(nn.Module):
         if not 0 < cfg_omega < math.inf:
             raise ValueError(f"cfg_omega must be > 0 (guidance in training; 1.0 turns it off), got {cfg_omega!r}")
         self.cfg_omega = float(cfg_omega)
+        if not 0 <= velocity_weight < math.inf:
+            raise ValueError(f"velocity_weight must be >= 0 (0: no velocity head), got {velocity_weight!r}")
+        self.velocity_weight = float(velocity_weight)
         self.jvp_mode = check_jvp_mode(jvp_mode)
         self.mid_t = tuple(float(t) for t in mid_t)
         self.cfg_interval = check_interval(cfg_interval)
         self.path = TrigFlowPath(sigma_d)
         self.logvar = LogVar(logvar_channels)
+
+    @property
+    def velocity_head(self) -> bool:
+        """Whether the model needs its velocity head (the loop builds it so)."""
+        return self.velocity_weight > 0
 
     def warmup(self, step):
         """min(1, step / warmup_steps); step is an int, or a 0-dim tensor (a CUDA-graph step reads it on the GPU)."""
@@ -156,7 +169,7 @@ class SCM(nn.Module):
         t = lognormal_trigflow(x.shape[0], self.p_mean, self.p_std, self.sigma_d, device=x.device)
         s = self.path.sample(x, torch.randn_like(x), t)
         dx_t = s.dx_t if self.cfg_omega == 1.0 else self.guided_dxdt(model, s.x_t, t, s.dx_t, y)
-        return self.consistency_loss(model, s.x_t, t, dx_t, y, step)
+        return self.consistency_loss(model, s.x_t, t, dx_t, y, step, velocity_target=s.dx_t if self.velocity_head else None)
 
     @torch.no_grad()
     def guided_dxdt(self, model, x_t, t, dx_t, y):
@@ -169,25 +182,31 @@ class SCM(nn.Module):
                 "set objective.cfg_omega=1.0"
             )
         null = null_labels(model, y)
-        v_null = self.sigma_d * self.network_output(model, x_t / self.sigma_d, t, null).float()
+        if self.velocity_head:
+            v_null = self.sigma_d * model(x_t / self.sigma_d, t, None, null, head="velocity").float()
+        else:
+            v_null = self.sigma_d * self.network_output(model, x_t / self.sigma_d, t, null).float()
         v = self.cfg_omega * dx_t + (1 - self.cfg_omega) * v_null
         keep = bcast((y == null) | ~in_interval(t, self.cfg_interval), v)
         return torch.where(keep, dx_t, v)
 
-    def consistency_loss(self, model, x_t, t, dx_t, y, step, target=None, hf_weight=None):
+    def consistency_loss(self, model, x_t, t, dx_t, y, step, target=None, hf_weight=None, velocity_target=None):
         """Algorithm 1's loss at (x_t, t) with dx_t/dt = dx_t: the data's (sCT) or a teacher's (sCD). target: F's
         explicit target for the batch's first len(target) samples (sCD's one_step_frac), in place of F- + g.
-        hf_weight: squared_error's, a number or one per sample, in place of self.hf_weight."""
+        hf_weight: squared_error's, a number or one per sample, in place of self.hf_weight. velocity_target: the
+        velocity head's flow-matching target (velocity_weight > 0), from the same forward as F."""
         sigma_d = self.sigma_d
         cos_t, sin_t = bcast(torch.cos(t), x_t), bcast(torch.sin(t), x_t)
 
         # JVP rearrangement: tangents pre-multiplied by cos t sin t, giving cos t sin t dF/dt directly
-        F, cs_dFdt = jvp(
-            lambda x_in, t_in: self.network_output(model, x_in, t_in, y),
-            (x_t / sigma_d, t),
-            (cos_t * sin_t * dx_t / sigma_d, torch.cos(t) * torch.sin(t)),
-            mode=self.jvp_mode,
-        )
+        if velocity_target is None:
+            fn = lambda x_in, t_in: self.network_output(model, x_in, t_in, y)  # noqa: E731
+        else:  # F and the velocity head stacked on the channels: one forward, one JVP (the head's tangent unused)
+            fn = lambda x_in, t_in: model(x_in, t_in, None, y, head="both")  # noqa: E731
+        tangents = (cos_t * sin_t * dx_t / sigma_d, torch.cos(t) * torch.sin(t))
+        F, cs_dFdt = jvp(fn, (x_t / sigma_d, t), tangents, mode=self.jvp_mode)
+        if velocity_target is not None:
+            (F, V), cs_dFdt = F.chunk(2, dim=1), cs_dFdt.chunk(2, dim=1)[0]
         F_minus = F.detach().float()
         g = -cos_t.square() * (sigma_d * F_minus - dx_t) - self.warmup(step) * (cos_t * sin_t * x_t + sigma_d * cs_dFdt.float())
         g_norm = g.flatten(1).norm(dim=1)
@@ -203,6 +222,10 @@ class SCM(nn.Module):
         sq = squared_error(err, hf_weight) / err[0].numel()  # ||.||^2 / D per sample (pixel-scale part weighted)
         logvar = self.logvar(t)
         loss = (torch.exp(-logvar) * sq + logvar).mean()
+        if velocity_target is not None:
+            velocity_mse = (sigma_d * V.float() - velocity_target).square().mean()
+            loss = loss + self.velocity_weight * velocity_mse
+            metrics["velocity_mse"] = velocity_mse.detach()
         mse = err.detach().square().mean()
         return loss, {"loss": loss.detach(), "mse": mse, "tangent_norm": g_norm.detach().mean(), **metrics}
 

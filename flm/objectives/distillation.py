@@ -114,10 +114,11 @@ class SCD(SCM):
         if one_step_solver not in ("euler", "heun"):
             raise ValueError(f"one_step_solver must be 'euler' or 'heun', got {one_step_solver!r}")
         self.one_step_solver = one_step_solver
-        if self.cfg_omega != 1.0:
+        if self.cfg_omega != 1.0 or self.velocity_weight:
             raise ValueError(
-                "a teacher's guidance (objective.teacher_cfg_scale) replaces guidance in training; keep "
-                f"objective.cfg_omega=1.0 with a teacher, got {self.cfg_omega}"
+                "a teacher's guidance (objective.teacher_cfg_scale) replaces guidance in training and its velocity "
+                f"head; keep objective.cfg_omega=1.0 and objective.velocity_weight=0 with a teacher, got "
+                f"{self.cfg_omega} and {self.velocity_weight}"
             )
         if not teacher:
             raise ValueError("objective.teacher is not set; pass objective.teacher=<flow-matching run folder or .pt>")

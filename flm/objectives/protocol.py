@@ -79,6 +79,7 @@ class Objective(Protocol):
     networks: Mapping[str, Network]  # the networks it needs besides the model; NO_NETWORKS for none
     predictions: tuple[str, ...]  # the model outputs (flm.models.PREDICTIONS) its loss and sampler read; the first is
     # model.prediction=auto's
+    # optional: velocity_head (bool), whether the model needs its velocity head (flm.models.dit; sCM's velocity_weight)
 
     def loss(
         self, model: nn.Module, x: torch.Tensor, y: torch.Tensor | None = None, *, step=0, **networks: nn.Module

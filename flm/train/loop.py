@@ -311,7 +311,11 @@ def train(
     run = open_data(data, trainer, micro_batch, device, config or {})
     dataset, decoder, num_classes, config = run.dataset, run.decoder, run.num_classes, run.config
     model_args = model.args(
-        input_size=dataset.resolution, in_channels=dataset.channels, num_classes=num_classes, time_inputs=objective.time_inputs
+        input_size=dataset.resolution,
+        in_channels=dataset.channels,
+        num_classes=num_classes,
+        time_inputs=objective.time_inputs,
+        velocity_head=getattr(objective, "velocity_head", False),
     )
     state = build_state(model_args, objective, optim, trainer, run.loader, device, config)
     if warning := data_scale_warning(objective, run):

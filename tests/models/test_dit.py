@@ -167,3 +167,27 @@ def test_an_auto_prediction_resolves_to_the_teachers_else_the_objectives_first()
         auto.args(input_size=8, in_channels=1, num_classes=0, time_inputs=1)
     with pytest.raises(ValueError, match="unknown prediction 'image'"):
         ModelConfig(name="DiT-T/4", prediction="image")
+
+
+def test_the_velocity_head_shares_the_trunk():
+    """head="both" is the output and the velocity head's output stacked on the channels, each as its own call gives
+    it; the head is a separate layer (the output does not change when only the head's weights do)."""
+    model = tiny_dit(velocity_head=True)
+    x, t, y = torch.randn(2, 3, 8, 8), torch.rand(2), torch.tensor([1, 10])
+    out, velocity = model(x, t, None, y), model(x, t, None, y, head="velocity")
+    torch.testing.assert_close(model(x, t, None, y, head="both"), torch.cat([out, velocity], dim=1))
+    assert velocity.shape == x.shape and not torch.allclose(out, velocity)
+    with torch.no_grad():
+        model.velocity_layer.linear.weight.add_(1.0)
+    torch.testing.assert_close(model(x, t, None, y), out)
+    assert "velocity_layer.linear.weight" not in tiny_dit().state_dict()
+
+
+def test_velocity_head_bad_input():
+    x, t = torch.randn(2, 3, 8, 8), torch.rand(2)
+    with pytest.raises(ValueError, match="head must be 'output', or 'velocity' / 'both' on a model built with velocity_head"):
+        tiny_dit()(x, t, head="velocity")
+    with pytest.raises(ValueError, match="head must be"):
+        tiny_dit(velocity_head=True)(x, t, head="F")
+    with pytest.raises(ValueError, match="velocity_head=True is a second output .* build it with prediction='velocity'"):
+        build_model("DiT-T/2", input_size=8, in_channels=3, prediction="data", velocity_head=True)

@@ -9,7 +9,9 @@ from flm import nn as fnn
 from flm.models import build_model
 
 
-def tiny_dit(*, attention="math", num_classes=10, time_inputs=1, size="DiT-T/2", input_size=8, channels=3, seed=0):
+def tiny_dit(
+    *, attention="math", num_classes=10, time_inputs=1, size="DiT-T/2", input_size=8, channels=3, seed=0, velocity_head=False
+):
     model = build_model(
         size,
         input_size=input_size,
@@ -17,6 +19,7 @@ def tiny_dit(*, attention="math", num_classes=10, time_inputs=1, size="DiT-T/2",
         num_classes=num_classes,
         time_inputs=time_inputs,
         attention=attention,
+        velocity_head=velocity_head,
     )
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():

@@ -92,6 +92,35 @@ def test_guided_dxdt_mixes_in_the_null_class_velocity_where_labels_are_kept():
     torch.testing.assert_close(out, torch.cat([2.5 * dx_t[:1], dx_t[1:]]))
 
 
+def test_the_velocity_head_learns_the_velocity_and_gives_the_null_velocity():
+    """velocity_weight > 0: the loss adds velocity_weight x ||sigma_d V - dx_t/dt||^2 / D from the same forward as F (its
+    gradient reaches the head), and guidance in training takes sigma_d V(. | null) as the null velocity."""
+    scm = SCM(warmup_steps=0, velocity_weight=2.0, cfg_omega=2.0)
+    assert scm.velocity_head and not SCM().velocity_head
+    model = tiny_dit(velocity_head=True, channels=1, input_size=4)
+    x, y = torch.randn(8, 1, 4, 4), torch.randint(0, 10, (8,))
+    torch.manual_seed(0)
+    loss, metrics = scm.loss(model, x, y, step=3)
+    torch.manual_seed(0)
+    plain, _ = SCM(warmup_steps=0, cfg_omega=2.0).loss(model, x, y, step=3)  # guided by sigma_d F(null): another target
+    assert metrics["velocity_mse"] > 0 and not torch.allclose(loss, plain)
+    loss.backward()
+    assert model.velocity_layer.linear.weight.grad.abs().sum() > 0
+
+    x_t, t, dx_t = torch.randn(8, 1, 4, 4), torch.rand(8), torch.randn(8, 1, 4, 4)
+    keep = torch.randint(0, 10, (8,))
+    v_null = 0.5 * model(x_t / 0.5, t, None, torch.full_like(keep, 10), head="velocity")
+    torch.testing.assert_close(scm.guided_dxdt(model, x_t, t, dx_t, keep), 2.0 * dx_t - v_null)
+
+
+def test_the_velocity_head_needs_a_model_with_one():
+    with pytest.raises(ValueError, match="velocity_weight must be >= 0"):
+        SCM(velocity_weight=-1.0)
+    with pytest.raises(ValueError, match="on a model built with velocity_head=True"):
+        model, x, y = tiny_dit(channels=1, input_size=4), torch.randn(4, 1, 4, 4), torch.zeros(4, dtype=torch.long)
+        SCM(velocity_weight=1.0).loss(model, x, y)
+
+
 def test_guidance_in_training_config_errors():
     with pytest.raises(ValueError, match="cfg_omega must be > 0"):
         SCM(cfg_omega=0.0)

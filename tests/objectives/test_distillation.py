@@ -195,6 +195,8 @@ def test_meanflow_refuses_a_teacher_with_guidance_in_training():
 def test_scd_refuses_guidance_in_training(distilled):
     with pytest.raises(ValueError, match="replaces guidance in training"):
         distilled(teacher="t", cfg_omega=2.0)
+    with pytest.raises(ValueError, match="and its velocity head.*objective.velocity_weight=0"):
+        distilled(teacher="t", velocity_weight=1.0)
 
 
 @pytest.mark.parametrize("solver", ["euler", "heun"])

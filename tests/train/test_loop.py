@@ -60,6 +60,21 @@ def test_stop_and_resume_is_bit_exact(tmp_path, train_run):
     assert read_metrics(tmp_path / "whole")[-1]["loss"] == read_metrics(tmp_path / "split")[-1]["loss"]  # steps 5-6
 
 
+def test_an_scm_run_with_the_velocity_head(tmp_path, train_run):
+    """objective.velocity_weight > 0: the loop builds the model with its velocity head, the checkpoint records it,
+    and the run's generator loads and samples as any other."""
+    from flm.train.generator import load_generator
+
+    train_run(tmp_path, ["objective=scm", "objective.velocity_weight=1.0", "objective.cfg_omega=2.0"])
+    bundle = checkpoint.load(checkpoint.find_checkpoint(str(tmp_path)))
+    assert bundle["model_args"]["velocity_head"] is True
+    assert any(name.startswith("velocity_layer.") for name in bundle["model"])
+    assert "velocity_mse" in read_metrics(tmp_path)[-1]
+    model, objective = load_generator(bundle)
+    images = objective.sample(model, torch.randn(2, 1, 28, 28), torch.tensor([3, 4]), steps=2)
+    assert images.shape == (2, 1, 28, 28) and torch.isfinite(images).all()
+
+
 @pytest.mark.parametrize("objective", ["meanflow", "scm"])  # sCM: 2 steps re-noise between them
 def test_sampling_does_not_depend_on_batch_size(tmp_path, train_run, cfg_of, sample_entry, objective):
     train_run(tmp_path, [f"objective={objective}"])
