@@ -35,6 +35,10 @@ W v(x, t | k) + (1 - W) v(x, t), the class's own Gaussian velocity and the mixtu
 then taken against the exact map of the guided flow (of the conditional flow at W = 1), labels 0..K-1 cycling:
 
     PYTHONPATH=. python benchmarks/toy.py --objective scm --classes --set cfg_omega=2.0
+    PYTHONPATH=. python benchmarks/toy.py --objective scm --classes --set cfg_omega=2.0 --set velocity_weight=1.0
+
+For sCM the scores add err1_sg, the distance to the map of the field its guidance targets with sigma_d F(null) as the
+null velocity (scm_guided_velocity), which is what it learns without the velocity head (velocity_weight 0).
 """
 
 import argparse
