@@ -128,7 +128,7 @@ def measure(model_name, tokens, objective_name, backend, mode, execution, args, 
         build_model, model_name, input_size=side, in_channels=args.channels, num_classes=args.num_classes, attention=backend
     )
     with torch.device(device):
-        model = build(time_inputs=objective.time_inputs)
+        model = build(time_inputs=objective.time_inputs, velocity_head=getattr(objective, "velocity_head", False))
     params = list(model.parameters()) + list(objective.parameters())
     fused = device.type == "cuda"
     opts = [torch.optim.AdamW(params, lr=1e-4, fused=fused)]
