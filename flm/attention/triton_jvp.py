@@ -458,9 +458,9 @@ def _jvp_fwd_setup_context(ctx, inputs, output):
 
 
 def _jvp_fwd_backward(ctx, do, _dto, _dlse):
-    """The fused op's gradient where torch.compile differentiates it directly (torch.func.jvp traced through
-    _AttentionWithJVP's rule): o's, as _JVPAttention's; the tangent and lse take none, as in eager mode, where
-    they are marked non-differentiable (every objective stops the tangent's gradient)."""
+    """o's gradient; the tangent and lse take none (every objective stops the tangent's gradient). _JVPAttention's
+    backward, and the fused op's own where torch.compile differentiates it directly (torch.func.jvp traced
+    through _AttentionWithJVP's rule)."""
     dq, dk, dv, dbias = _backward(ctx, do, bias_grad=ctx.bias_grad)
     return dq, dk, dv, None, None, None, None, None, dbias, None, None
 
@@ -479,16 +479,10 @@ class _JVPAttention(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        q, k, v, _, _, _, causal, scale, bias, _, key_padding_mask = inputs
-        o, to, lse = output
-        ctx.causal, ctx.scale = causal, scale
-        ctx.save_for_backward(q, k, v, o, lse, bias, key_padding_mask)
-        ctx.mark_non_differentiable(to, lse)
+        _jvp_fwd_setup_context(ctx, inputs, output)
+        ctx.mark_non_differentiable(*output[1:])  # to, lse
 
-    @staticmethod
-    def backward(ctx, do, _dto, _dlse):
-        dq, dk, dv, dbias = _backward(ctx, do, bias_grad=ctx.needs_input_grad[8])
-        return dq, dk, dv, None, None, None, None, None, dbias, None, None
+    backward = staticmethod(_jvp_fwd_backward)
 
 
 # ---------------------------------------------------------------------------------------------
