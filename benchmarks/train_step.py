@@ -89,11 +89,18 @@ def parse_args(argv=None):
         "--exec",
         type=csv,
         default=["eager"],
-        help="eager, graph (loss + backward as one CUDA graph) and/or compile (torch.compile over the loss; JVP mode func)",
+        help="eager, graph (loss + backward as one CUDA graph) and/or compile (torch.compile over the loss; JVP mode func); "
+        "compile:MODE passes torch.compile's mode, e.g. compile:reduce-overhead (CUDA graphs over the compiled code)",
     )
     p.add_argument("--profile", action="store_true", help="print torch.profiler's top kernels for each row")
     p.add_argument("--tiny", action="store_true", help="CPU smoke check: DiT-T/2, 16 tokens, fp32, 2 steps")
     args = p.parse_args(argv)
+    from flm.train.settings import COMPILE_MODES
+
+    valid = ["eager", "graph", "compile", *(f"compile:{mode}" for mode in COMPILE_MODES)]
+    for execution in args.exec:
+        if execution not in valid:
+            p.error(f"--exec {execution!r} is not one of {', '.join(valid)}")
     if args.tiny:
         args.models, args.tokens, args.batch_tokens, args.num_classes = ["DiT-T/2"], [16], 32, 10
         args.iters, args.warmup = 2, 1
@@ -147,8 +154,10 @@ def measure(model_name, tokens, objective_name, backend, mode, execution, args, 
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
 
     # --exec compile: the loss (JVP included: jvp_mode func) is compiled, its backward is AOTAutograd's
-    objective_loss = torch.compile(objective.loss) if execution == "compile" else objective.loss
-    step_arg = torch.tensor(10**6, device=device) if execution == "compile" else 10**6  # past the warm-up
+    compiled = execution.startswith("compile")
+    compile_mode = execution.partition(":")[2] or "default"
+    objective_loss = torch.compile(objective.loss, mode=compile_mode) if compiled else objective.loss
+    step_arg = torch.tensor(10**6, device=device) if compiled else 10**6  # past the warm-up
 
     def loss_and_backward(x, y, phase=None):
         with autocast:
@@ -210,9 +219,10 @@ def rows_to_run(args):
                 for backend in args.backends:
                     for objective in args.objectives:
                         jvp_objective = split_objective(objective)[0] in JVP_OBJECTIVES
-                        if execution == "compile" and jvp_objective and backend not in ("math", "triton_jvp"):
+                        compiled = execution.startswith("compile")
+                        if compiled and jvp_objective and backend not in ("math", "triton_jvp"):
                             continue  # a compiled JVP takes math or the fused kernel (flm.train.settings.check_compile)
-                        modes = ["func"] if execution == "compile" else args.modes  # Dynamo traces torch.func.jvp only
+                        modes = ["func"] if compiled else args.modes  # Dynamo traces torch.func.jvp only
                         for mode in modes if jvp_objective else ["-"]:
                             yield model_name, tokens, objective, backend, mode, execution
 

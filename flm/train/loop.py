@@ -98,7 +98,7 @@ def build_state(
     ema = EMA(raw, trainer.ema_decays, wrap=lambda m: wrap_copy(m, device, trainer.parallel), sigma_rels=trainer.ema_sigma_rels)
     model = wrap(raw, device, trainer.parallel, cuda_graph=trainer.cuda_graph)
     if trainer.compile and not takes_jvp(objective):  # a JVP objective's whole loss is compiled instead (train)
-        model = torch.compile(model)
+        model = torch.compile(model, mode=trainer.compile_mode)
 
     def unsynced(net: nn.Module):  # the parameters whose gradients the optimizer averages over the ranks
         return () if wrapper_syncs(trainer.parallel, cuda_graph=trainer.cuda_graph) else net.parameters()
@@ -361,7 +361,7 @@ def train(
     # a compiled JVP objective: its whole loss (torch.func.jvp included) is one graph per phase; the step goes in as a
     # tensor, as into a CUDA graph, so that a new step number does not recompile it
     compiled = trainer.compile and takes_jvp(objective)
-    objective_loss = torch.compile(objective.loss) if compiled else objective.loss
+    objective_loss = torch.compile(objective.loss, mode=trainer.compile_mode) if compiled else objective.loss
 
     def loss_and_backward(x, y, step, phase=None):
         with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):

@@ -10,6 +10,9 @@ from flm.train.parallel import PARALLEL
 from flm.typed import check_fields
 
 
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")  # torch.compile's modes
+
+
 @dataclass
 class TrainerConfig:
     max_steps: int = 2000
@@ -18,7 +21,8 @@ class TrainerConfig:
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda
     precision: str = "auto"  # auto (bf16 autocast on CUDA, fp32 on CPU) | bf16 | fp32
-    compile: bool = False  # torch.compile: the model, or a JVP objective's loss (jvp_mode=func, attention=math, one process)
+    compile: bool = False  # torch.compile: the model, or a JVP objective's loss (jvp_mode=func, math/triton_jvp, one process)
+    compile_mode: str = "default"  # torch.compile's mode: default | reduce-overhead (CUDA graphs over the compiled code) | ...
     cuda_graph: bool = False  # replay loss + backward as one CUDA graph (one GPU or DDP, not FSDP2; flm.train.graphs)
     parallel: str = "ddp"  # under torchrun: ddp | fsdp (FSDP2: parameters, gradients, optimizer state and EMA sharded)
     class_conditional: bool = True  # condition on the dataset's labels (enables cfg_scale when sampling)
@@ -58,6 +62,8 @@ class TrainerConfig:
             raise ValueError(f"trainer.precision must be auto, bf16 or fp32, got {self.precision!r}")
         if self.parallel not in PARALLEL:
             raise ValueError(f"trainer.parallel must be one of {', '.join(PARALLEL)}, got {self.parallel!r}")
+        if self.compile_mode not in COMPILE_MODES:
+            raise ValueError(f"trainer.compile_mode must be one of {', '.join(COMPILE_MODES)}, got {self.compile_mode!r}")
 
 
 def local_batch_size(batch_size: int, grad_accum: int, world: int) -> int:

@@ -40,3 +40,23 @@ def test_compile_of_a_jvp_objective_needs_math_or_the_fused_kernel(tmp_path, tra
     with pytest.raises(ValueError, match=refusal):
         train_run(tmp_path, overrides)
     assert not (tmp_path / "checkpoints").exists()
+
+
+def test_compile_mode_reaches_torch_compile(tmp_path, train_run, monkeypatch):
+    modes = []
+    real = torch.compile
+
+    def spy(fn, **kwargs):
+        modes.append(kwargs.get("mode"))
+        return real(fn, **kwargs)
+
+    monkeypatch.setattr(torch, "compile", spy)
+    train_run(tmp_path, ["objective=flow_matching", "trainer.compile=true", "trainer.compile_mode=max-autotune-no-cudagraphs"])
+    assert modes == ["max-autotune-no-cudagraphs"]
+
+
+def test_an_unknown_compile_mode_is_refused():
+    from flm.train import TrainerConfig
+
+    with pytest.raises(ValueError, match="trainer.compile_mode must be one of default, reduce-overhead.*got 'fast'"):
+        TrainerConfig(compile=True, compile_mode="fast")
