@@ -363,7 +363,12 @@ def train(
     compiled = trainer.compile and takes_jvp(objective)
     objective_loss = torch.compile(objective.loss, mode=trainer.compile_mode) if compiled else objective.loss
 
+    # reduce-overhead replays CUDA graphs whose outputs the next replay overwrites: each call starts a new step
+    marks_steps = trainer.compile and trainer.compile_mode == "reduce-overhead"
+
     def loss_and_backward(x, y, step, phase=None):
+        if marks_steps:
+            torch.compiler.cudagraph_mark_step_begin()
         with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
             phase_arg = {} if phase is None else {"phase": phase}
             step = to_device(torch.tensor(step), device) if compiled and isinstance(step, int) else step

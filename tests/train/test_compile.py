@@ -51,8 +51,8 @@ def test_compile_mode_reaches_torch_compile(tmp_path, train_run, monkeypatch):
         return real(fn, **kwargs)
 
     monkeypatch.setattr(torch, "compile", spy)
-    train_run(tmp_path, ["objective=flow_matching", "trainer.compile=true", "trainer.compile_mode=max-autotune-no-cudagraphs"])
-    assert modes == ["max-autotune-no-cudagraphs"]
+    train_run(tmp_path, ["objective=flow_matching", "trainer.compile=true", "trainer.compile_mode=reduce-overhead"])
+    assert modes == ["reduce-overhead"]  # on the CPU inductor skips the CUDA graphs; the step marks still run
 
 
 def test_an_unknown_compile_mode_is_refused():
