@@ -29,6 +29,7 @@ def build_model(
     attention: str = "auto",
     prediction: str = "velocity",
     velocity_head: bool = False,
+    cond_norm: bool = False,
 ) -> DiT:
     """A DiT of size `name` (a key of MODEL_SIZES, e.g. "DiT-B/2").
 
@@ -38,7 +39,7 @@ def build_model(
     time_scale * t (1: the objective's units; DiT's diffusion code used 1000); attention: a flm.attention backend name or "auto";
     prediction: "velocity", or "data" (the network predicts the clean image, forward returns the linear path's velocity;
     flm.models.dit); velocity_head: a second output, the flow's velocity, beside a consistency model's (sCM's
-    objective.velocity_weight asks for it).
+    objective.velocity_weight asks for it); cond_norm: the conditioning embedding RMS-normalised before the adaLN layers.
     """
     check_name(name)
     depth, hidden, heads, patch = MODEL_SIZES[name]
@@ -55,6 +56,7 @@ def build_model(
         attention=attention,
         prediction=prediction,
         velocity_head=velocity_head,
+        cond_norm=cond_norm,
     )
 
 
@@ -79,6 +81,7 @@ class ModelConfig:
     time_scale: float = 1.0
     attention: str = "auto"  # a flm.attention backend, or auto (the fastest that runs here)
     prediction: str = "auto"  # velocity | data (the clean image; linear-path objectives) | auto (resolve_prediction)
+    cond_norm: bool = False  # RMS-normalise the conditioning embedding before the adaLN layers (sCM's stabiliser)
 
     def __post_init__(self):
         check_fields(self, "model")

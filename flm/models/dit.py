@@ -9,6 +9,9 @@ outputs, as in facebookresearch/DiT, with:
   c_noise(t) = t, arXiv 2410.11081 section 4.1). DiT's 1000 t multiplies d/dt of every time feature by
   1000, and the JVP objectives put d/dt into their targets: MeanFlow's (t - r) du/dt then swings by
   orders of magnitude and training does not settle;
+- optionally (`cond_norm`) the conditioning embedding RMS-normalised (pixel norm) before the adaLN layers, as sCM
+  normalises its time embedding: the modulations then cannot grow with the embedders' weights, whose gradients
+  overflowed in sCM at lr 1e-3 (docs/quality.md, twenty-first day);
 - attention through `flm.attention.attention` with the backend as a constructor argument;
 - what the network predicts (`prediction`): the velocity itself, or the clean image x^ (JiT's x-prediction; pMF's
   for MeanFlow), returned as the linear path's velocity (x_t - x^) / t (t = 1 noise, flm.objectives.paths.LinearPath)
@@ -192,6 +195,7 @@ class DiT(nn.Module):
         attention: str = "auto",
         prediction: str = "velocity",
         velocity_head: bool = False,
+        cond_norm: bool = False,
     ):
         super().__init__()
         if input_size % patch_size:
@@ -211,7 +215,7 @@ class DiT(nn.Module):
                 f"velocity_head=True is a second output beside a velocity-predicting model's (sCM's guidance in "
                 f"training), and this model predicts {prediction!r}; build it with prediction='velocity'"
             )
-        self.prediction, self.velocity_head = prediction, bool(velocity_head)
+        self.prediction, self.velocity_head, self.cond_norm = prediction, bool(velocity_head), bool(cond_norm)
         self.input_size, self.in_channels, self.patch_size = input_size, in_channels, patch_size
         self.num_classes, self.time_inputs = num_classes, time_inputs
         self.grid = input_size // patch_size
@@ -307,6 +311,8 @@ class DiT(nn.Module):
             if y is None:
                 y = torch.full((B,), self.num_classes, dtype=torch.long, device=x.device)
             c = c + fnn.joins(self.y_embedder(y), c)
+        if self.cond_norm:  # pixel norm: c / rms(c), in float32 (plain ops: dual tensors and torch.func pass through)
+            c = (c.float() * torch.rsqrt(c.float().square().mean(-1, keepdim=True) + 1e-8)).to(c.dtype)
         return h, fnn.silu(c)
 
     def _check_inputs(self, x, r, y) -> None:

@@ -36,6 +36,7 @@ SHARED_ARGS = {
     "name": "model size",
     "time_scale": "time scale",
     "prediction": "prediction",
+    "cond_norm": "conditioning norm (model.cond_norm)",
 }
 
 

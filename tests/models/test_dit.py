@@ -114,12 +114,33 @@ def _inputs(seed=0):
     return x, tx, t, r, torch.tensor([4, 10])
 
 
+def test_cond_norm_makes_the_output_blind_to_the_embeddings_scale():
+    """cond_norm divides the conditioning by its RMS: embedders whose outputs grow 1000-fold (sCM's exploding
+    t_embedder at lr 1e-3) change nothing, where the plain DiT's modulations grow with them."""
+    x, t, r, y = torch.randn(2, 3, 8, 8), torch.tensor([0.3, 0.7]), torch.tensor([0.1, 0.7]), torch.tensor([1, 2])
+    for cond_norm in (True, False):
+        model = tiny_dit(time_inputs=2, cond_norm=cond_norm)
+        base = model(x, t, r, y)
+        assert base.abs().mean() > 1e-3  # tiny_dit's weights are not DiT's zero init
+        with torch.no_grad():
+            for emb in (model.t_embedder, model.dt_embedder):
+                emb.fc2.weight.mul_(1000.0)
+                emb.fc2.bias.mul_(1000.0)
+            model.y_embedder.weight.mul_(1000.0)
+        grown = model(x, t, r, y)
+        if cond_norm:
+            torch.testing.assert_close(grown, base, rtol=1e-4, atol=1e-5)
+        else:
+            assert (grown - base).abs().mean() > 0.1 * base.abs().mean()
+
+
 def _func_jvp(model, x, tx, t, r, y):
     return torch.func.jvp(lambda x_, t_: model(x_, t_, r, y), (x, t), (tx, torch.ones_like(t)))
 
 
-def test_dual_jvp_through_triton_matches_func_jvp_over_math():
-    model = tiny_dit(attention="triton_jvp", time_inputs=2)
+@pytest.mark.parametrize("cond_norm", [False, True])
+def test_dual_jvp_through_triton_matches_func_jvp_over_math(cond_norm):
+    model = tiny_dit(attention="triton_jvp", time_inputs=2, cond_norm=cond_norm)
     reference = with_backend(copy.deepcopy(model), "math")
     x, tx, t, r, y = _inputs()
     with plain_layers():  # reference: plain PyTorch ops and math attention, no custom rule at all

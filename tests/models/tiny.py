@@ -10,7 +10,16 @@ from flm.models import build_model
 
 
 def tiny_dit(
-    *, attention="math", num_classes=10, time_inputs=1, size="DiT-T/2", input_size=8, channels=3, seed=0, velocity_head=False
+    *,
+    attention="math",
+    num_classes=10,
+    time_inputs=1,
+    size="DiT-T/2",
+    input_size=8,
+    channels=3,
+    seed=0,
+    velocity_head=False,
+    cond_norm=False,
 ):
     model = build_model(
         size,
@@ -20,6 +29,7 @@ def tiny_dit(
         time_inputs=time_inputs,
         attention=attention,
         velocity_head=velocity_head,
+        cond_norm=cond_norm,
     )
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():

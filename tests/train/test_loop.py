@@ -75,6 +75,19 @@ def test_an_scm_run_with_the_velocity_head(tmp_path, train_run):
     assert images.shape == (2, 1, 28, 28) and torch.isfinite(images).all()
 
 
+def test_a_run_with_the_normalised_conditioning(tmp_path, train_run):
+    """model.cond_norm=true: the checkpoint records it and the run's generator is rebuilt with it."""
+    from flm.train.generator import load_generator
+
+    train_run(tmp_path, ["objective=scm", "model.cond_norm=true"])
+    bundle = checkpoint.load(checkpoint.find_checkpoint(str(tmp_path)))
+    assert bundle["model_args"]["cond_norm"] is True
+    model, objective = load_generator(bundle)
+    assert model.cond_norm
+    images = objective.sample(model, torch.randn(2, 1, 28, 28), torch.tensor([3, 4]), steps=2)
+    assert images.shape == (2, 1, 28, 28) and torch.isfinite(images).all()
+
+
 @pytest.mark.parametrize("objective", ["meanflow", "scm"])  # sCM: 2 steps re-noise between them
 def test_sampling_does_not_depend_on_batch_size(tmp_path, train_run, cfg_of, sample_entry, objective):
     train_run(tmp_path, [f"objective={objective}"])
