@@ -312,7 +312,8 @@ class DiT(nn.Module):
                 y = torch.full((B,), self.num_classes, dtype=torch.long, device=x.device)
             c = c + fnn.joins(self.y_embedder(y), c)
         if self.cond_norm:  # pixel norm: c / rms(c), in float32 (plain ops: dual tensors and torch.func pass through)
-            c = (c.float() * torch.rsqrt(c.float().square().mean(-1, keepdim=True) + 1e-8)).to(c.dtype)
+            c32 = c.float()
+            c = (c32 * torch.rsqrt(c32.square().mean(-1, keepdim=True) + 1e-8)).to(c.dtype)
         return h, fnn.silu(c)
 
     def _check_inputs(self, x, r, y) -> None:
