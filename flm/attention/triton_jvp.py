@@ -25,6 +25,7 @@ import warnings
 import torch
 from torch import Tensor
 from torch.autograd import forward_ad
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from flm.attention.flash import unsupported as fa2_unsupported
 from flm.attention.inputs import unpack_duals
@@ -195,14 +196,31 @@ _CUDNN_VERDICTS: dict[tuple, str | None] = {}
 
 
 def _cudnn_problem(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
-    key = (device, dtype, head_dim)
+    key = (_device_key(device), dtype, head_dim)
     if key not in _CUDNN_VERDICTS:
         if torch.cuda.is_current_stream_capturing():  # the check allocates and synchronises: not now
             return "cannot run its self-check inside a CUDA graph capture; run one step eagerly first"
+        if _get_current_dispatch_mode() is not None:  # torch.compile traces the backward with fake tensors
+            return "cannot run its self-check while torch.compile traces the step; check_available settles it first"
         _CUDNN_VERDICTS[key] = _cudnn_self_check(device, dtype, head_dim)
         if _CUDNN_VERDICTS[key] is not None:
             _warn_cudnn(key, _CUDNN_VERDICTS[key])
     return _CUDNN_VERDICTS[key]
+
+
+@functools.cache
+def _settle_cudnn(device: torch.device, dtype: torch.dtype, head_dim: int) -> None:
+    """cuDNN's self-check, once per shape, eagerly (check_available): a compiled step's backward is traced with fake
+    tensors and cannot run it."""
+    if _cudnn_by_default(device, dtype, head_dim):
+        _cudnn_problem(device, dtype, head_dim)
+
+
+def _device_key(device: torch.device) -> torch.device:
+    """cuda and cuda:<current> are one GPU."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def _raised(err: Exception) -> str:
@@ -549,3 +567,5 @@ def check_available(device: torch.device, dtype: torch.dtype, head_dim: int) -> 
     check_head_dim(head_dim)
     if not torch.compiler.is_compiling():  # an unknown backward name fails here, not in the backward
         _forced(os.environ.get(BACKWARD_ENV, "auto"))
+        if device.type == "cuda":
+            _settle_cudnn(device, dtype, head_dim)

@@ -154,6 +154,26 @@ def test_no_self_check_inside_a_cuda_graph_capture(hopper):
     assert triton_jvp._CUDNN_VERDICTS == {}  # decided later, outside the capture
 
 
+def test_no_self_check_while_torch_compile_traces(hopper):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    hopper.setattr(triton_jvp, "_cudnn_self_check", lambda *key: pytest.fail("self-check on fake tensors"))
+    with FakeTensorMode():  # what a compiled step's backward is traced under
+        assert triton_jvp.backward_impl(_like()) == "torch_fa2"
+    assert triton_jvp._CUDNN_VERDICTS == {}
+
+
+def test_check_available_settles_the_verdict_before_any_step(hopper):
+    calls = []
+    hopper.setattr(triton_jvp, "_cudnn_self_check", lambda *key: calls.append(key))
+    triton_jvp._settle_cudnn.cache_clear()
+    for _ in range(2):
+        triton_jvp.check_available(CUDA, torch.bfloat16, 64)
+    assert calls == [(CUDA, torch.bfloat16, 64)]
+    assert triton_jvp.backward_impl(_like()) == "cudnn"  # a traced backward then finds it
+    triton_jvp._settle_cudnn.cache_clear()
+
+
 def test_self_check_accepts_a_correct_backward_and_rejects_others(monkeypatch):
     cpu = torch.device("cpu")
     monkeypatch.setitem(triton_jvp.BACKWARDS, "cudnn", _math_backward)
