@@ -61,6 +61,17 @@ PREDICTIONS = ("velocity", "data")
 T_MIN = 1e-4
 
 
+def velocity_from_data(x: torch.Tensor, x_hat: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """The linear path's velocity (x_t - x^) / max(t, T_MIN) of a clean-image prediction x^ at x_t = x (t (B,) or a scalar)."""
+    return (x - x_hat) / t.to(x.dtype).clamp_min(T_MIN).reshape(-1, 1, 1, 1)
+
+
+def data_from_velocity(x: torch.Tensor, u: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """x^ back from a data-predicting DiT's output u = velocity_from_data(x, x^, t) (an objective on another path, sCM,
+    reads the clean image itself)."""
+    return x - t.to(x.dtype).clamp_min(T_MIN).reshape(-1, 1, 1, 1) * u
+
+
 # --------------------------------------------------------------------------------------------
 # Embeddings
 # --------------------------------------------------------------------------------------------
@@ -284,7 +295,7 @@ class DiT(nn.Module):
         if head == "both":
             return torch.cat([out.to(x.dtype), velocity], dim=1)
         if self.prediction == "data":  # out is x^; the velocity (x_t - x^) / t, in x's precision (t (B,) or a scalar)
-            return (x - out.to(x.dtype)) / t.to(x.dtype).clamp_min(T_MIN).reshape(-1, 1, 1, 1)
+            return velocity_from_data(x, out.to(x.dtype), t)
         return out.to(x.dtype)
 
     def _unpatchify(self, out, shape):

@@ -5,6 +5,14 @@ t in [0, pi/2], t = pi/2 noise. Consistency function (eq. 7), with c_noise(t) = 
 
     f(x_t, t) = cos(t) x_t - sin(t) sigma_d F(x_t / sigma_d, t)          F = the model
 
+or, with a data-predicting DiT (`model.prediction=data`), F built from its clean image x^ (in x_t / sigma_d's units):
+
+    F = (cos(t) x_t / sigma_d - x^) / max(sin(t), SIN_MIN),   so f = sigma_d x^ wherever sin(t) >= SIN_MIN
+
+the network then need not reproduce the noise it is given to cancel it, as flow matching's and MeanFlow's data
+prediction (flm.models.dit); below SIN_MIN f blends x_t into sigma_d x^ and still meets f(x, 0) = x. On MNIST it
+scored worse than predicting F (docs/quality.md, twenty-second day), so sCM's model.prediction=auto stays the velocity.
+
 Loss (Algorithm 1, sCT: no teacher; dx_t/dt = cos(t) z - sin(t) x0 from the data):
 
     cos(t) sin(t) dF-/dt = JVP of F-(x_t / sigma_d, t) along (cos t sin t dx_t/dt / sigma_d, cos t sin t)
@@ -35,7 +43,8 @@ import math
 import torch
 from torch import nn
 
-from flm.objectives.guidance import check_cfg, check_interval, drop_labels, guided, in_interval, null_labels, num_classes
+from flm.models.dit import data_from_velocity
+from flm.objectives.guidance import check_cfg, check_interval, drop_labels, guided, in_interval, null_labels, num_classes, unwrap
 from flm.objectives.jvp import check_jvp_mode, jvp
 from flm.objectives.checks import check_hf_weight, check_probability, check_std
 from flm.objectives.frequency import squared_error
@@ -46,6 +55,11 @@ from flm.objectives.paths import (
     randn_per_image,
 )
 from flm.objectives.protocol import NO_NETWORKS
+
+# F = (cos t x_t / sigma_d - x^) / max(sin t, SIN_MIN) for a data-predicting model: the floor bounds F's 1 / sin t and its
+# d/dt's 1 / sin^2 t, which amplify x^'s error where the proposal puts most of its draws. A floor of 0.05 collapsed the
+# CPU MNIST run; on the H200 0.5 scored better than 1.0, and both worse than F itself (docs/quality.md, twenty-second day)
+SIN_MIN = 0.5
 
 
 class LogVar(nn.Module):
@@ -100,7 +114,7 @@ class SCM(nn.Module):
 
     time_inputs = 1
     sample_steps = 2
-    predictions = ("velocity",)  # F lives on TrigFlow's path; a data prediction is the linear path's (flm.models.dit)
+    predictions = ("velocity", "data")  # F itself, or the clean image that F is built from (network_output)
     networks = NO_NETWORKS
 
     def __init__(
@@ -160,9 +174,13 @@ class SCM(nn.Module):
         return min(1.0, step / self.warmup_steps)
 
     def network_output(self, model, x_in, t, y, cfg_scale: float = 1.0):
-        """F(x_t / sigma_d, t) at x_in = x_t / sigma_d: the model itself (sCD converts a flow-matching
-        network, flm.objectives.distillation)."""
-        return guided(model, x_in, t, None, y, cfg_scale, self.cfg_interval)
+        """F(x_t / sigma_d, t) at x_in = x_t / sigma_d: the model itself, or built from a data-predicting model's clean
+        image (the module docstring; sCD converts a flow-matching network, flm.objectives.distillation)."""
+        out = guided(model, x_in, t, None, y, cfg_scale, self.cfg_interval)
+        if getattr(unwrap(model), "prediction", "velocity") != "data":
+            return out
+        x_hat = data_from_velocity(x_in, out, t)  # the DiT returns x^ as the linear path's velocity at (x_in, t)
+        return (bcast(torch.cos(t), x_in) * x_in - x_hat) / bcast(torch.sin(t).clamp_min(SIN_MIN), x_in)
 
     def loss(self, model, x, y=None, *, step=0):
         y = drop_labels(model, y, self.label_dropout)

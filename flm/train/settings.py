@@ -108,11 +108,11 @@ def takes_jvp(objective) -> bool:
 
 
 def check_prediction(objective, prediction: str) -> None:
-    """model.prediction=data is the linear path's parameterisation; an objective on another path refuses it."""
+    """An objective takes the model outputs it lists (`predictions`); a distilled sCD/rCM student refuses the data one."""
     if prediction not in objective.predictions:
         raise ValueError(
             f"model.prediction={prediction} does not fit objective {type(objective).__name__}, whose model predicts "
-            f"{' or '.join(objective.predictions)} (docs/quality.md: sCM's F lives on TrigFlow's path, and a "
+            f"{' or '.join(objective.predictions)} (docs/quality.md: a "
             f"data-predicting sCD/rCM student has no boundary condition f(x, 0) = x and drifts); pass "
             f"model.prediction=velocity (a distilled student: and a velocity teacher)"
         )

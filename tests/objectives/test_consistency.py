@@ -8,7 +8,8 @@ import torch
 
 from flm.objectives import SCM
 from tests.models.tiny import tiny_dit
-from tests.objectives.toys import LabelVelocity, PointMassTrigFlow
+from flm.objectives.consistency import SIN_MIN
+from tests.objectives.toys import LabelVelocity, PointMassData, PointMassTrigFlow
 
 A = 0.7
 
@@ -177,3 +178,34 @@ def test_step_as_a_tensor_gives_the_loss_of_the_int_step(step):
         torch.manual_seed(0)
         losses.append(scm.loss(model, x, y, step=s)[0])
     assert torch.equal(losses[0], losses[1])
+
+
+@pytest.mark.parametrize("jvp_mode", ["dual", "two_pass", "func"])
+def test_a_data_predicting_model_at_the_exact_clean_image_has_zero_loss(jvp_mode):
+    # F is built from x^ (model.prediction=data): x^ = a / sigma_d at every t is the exact consistency function wherever
+    # sin t >= SIN_MIN, which a narrow proposal around tan t = 2 keeps to
+    objective = SCM(warmup_steps=0, p_mean=0.0, p_std=0.1, jvp_mode=jvp_mode)
+    torch.manual_seed(0)
+    loss, metrics = objective.loss(PointMassData(A), _data())
+    assert metrics["tangent_norm"] < 1e-4 and loss.abs() < 1e-9
+    torch.manual_seed(0)
+    assert objective.loss(PointMassData(A, offset=0.3), _data())[1]["tangent_norm"] > 1e-2
+
+
+@pytest.mark.parametrize("steps", [1, 2])
+def test_a_data_predicting_models_samples_are_its_clean_image(steps):
+    x = SCM().sample(PointMassData(A), torch.randn(16, 1, 2, 2), steps=steps)
+    torch.testing.assert_close(x, torch.full_like(x, A), rtol=0, atol=1e-5)
+
+
+def test_a_data_predicting_models_consistency_function_meets_the_boundary_condition():
+    model = tiny_dit(channels=1, input_size=4)
+    model.prediction = "data"
+    scm, x, y = SCM(), torch.randn(3, 1, 4, 4), torch.tensor([0, 1, 2])
+    torch.testing.assert_close(scm.consistency_fn(model, x, 0.0, y), x)  # f(x, 0) = x
+    small = scm.consistency_fn(model, x, 1e-3, y)  # below SIN_MIN f blends into x continuously
+    assert (small - x).abs().max() < 0.1 * (scm.consistency_fn(model, x, 0.5, y) - x).abs().max()
+    t = 2 * SIN_MIN  # above it f is sigma_d x^ itself
+    u = model(x / scm.sigma_d, torch.full((3,), t), None, y)
+    x_hat = x / scm.sigma_d - t * u
+    torch.testing.assert_close(scm.consistency_fn(model, x, t, y), scm.sigma_d * x_hat, rtol=1e-4, atol=1e-5)

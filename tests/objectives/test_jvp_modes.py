@@ -37,8 +37,9 @@ def _step(objective_name, model, backend, jvp_mode, plain=False, options=None):
         ("meanflow", {"identity": "lagrangian", "tangent": "sample", "cfg_omega": 1.0}, "velocity"),
         ("scm", None, "velocity"),
         ("meanflow", None, "data"),  # d/dt through the data prediction's division by t
+        ("scm", None, "data"),  # and through sCM's F built from it (1 / sin t)
     ],
-    ids=["meanflow", "meanflow-lagrangian", "scm", "meanflow-data"],  # the Lagrangian identity's JVP is along r alone
+    ids=["meanflow", "meanflow-lagrangian", "scm", "meanflow-data", "scm-data"],  # the Lagrangian identity's JVP is along r alone
 )
 def test_gradients_agree_across_modes_and_backends(objective_name, options, prediction):
     model = tiny_dit(time_inputs=2 if objective_name == "meanflow" else 1)

@@ -8,6 +8,8 @@ exact solution (and gives it a parameter to differentiate).
 import torch
 from torch import nn
 
+from flm.models.dit import velocity_from_data
+
 
 def _b(t, x):
     return t.reshape(-1, *([1] * (x.dim() - 1)))
@@ -78,3 +80,18 @@ class LabelVelocity(nn.Module):
     def forward(self, x, t, r=None, y=None):
         value = torch.where(y == self.num_classes, torch.zeros_like(y), y + 1).float()
         return torch.ones_like(x) * _b(value, x)
+
+
+class PointMassData(Toy):
+    """A data-predicting model (DiT's model.prediction=data) whose clean image is the point mass a (in x / sigma_d's
+    units, a / sigma_d), returned as the DiT returns it: the linear path's velocity at its input."""
+
+    prediction = "data"
+
+    def __init__(self, a: float = 0.0, offset: float = 0.0, sigma_d: float = 0.5):
+        super().__init__(a, offset)
+        self.sigma_d = sigma_d
+
+    def forward(self, x, t, r=None, y=None):
+        x_hat = torch.full_like(x, self.a / self.sigma_d) + self.offset * _b(t, x)
+        return velocity_from_data(x, x_hat, t)

@@ -70,7 +70,6 @@ def test_bad_value_is_one_line_and_leaves_nothing(tmp_path):
         ("trainer.grad_accum=3", "trainer.batch_size=4 is not divisible by world size x grad_accum = 1 x 3"),
         ("data=mnist", "does not exist"),
         ("model.prediction=eps", "unknown prediction 'eps'; valid: velocity, data"),
-        ("objective=scm model.prediction=data", "model.prediction=data does not fit objective SCM"),
         ("objective=scd objective.teacher=t.pt model.prediction=data", "model.prediction=data does not fit objective SCD"),
     ],
 )
