@@ -332,3 +332,20 @@ def test_faint_pixels_reads_grids_and_ranks_runs_against_their_fid(tmp_path, cap
     Image.new("L", (50, 50)).save(tmp_path / "d-x-steps1.png")
     with pytest.raises(ValueError, match="not a grid of 28 x 28 images"):
         faint.grid_images(str(tmp_path / "d-x-steps1.png"))
+
+
+def test_scm_bf16_gap_takes_the_tangent_of_the_loss_and_bins_by_time():
+    """At the exact consistency function of a point mass g vanishes in both precisions (the JVP is wired as in the
+    loss); away from it g is the sum of its two parts, and each sample lands in the bin of its t."""
+    from flm.objectives import SCM
+    from tests.objectives.toys import PointMassTrigFlow
+
+    gap = load("scm_bf16_gap")
+    x, cpu = torch.full((64, 1, 2, 2), 0.7), torch.device("cpu")
+    found = gap.tangents(SCM(), PointMassTrigFlow(0.7), x, None, seed=0, device=cpu)
+    assert found["fp32"][0].abs().max() < 1e-4 and found["bf16"][0].abs().max() < 1e-4
+    found = gap.tangents(SCM(), PointMassTrigFlow(0.7, offset=0.3), x, None, seed=0, device=cpu)
+    assert found["fp32"][0].abs().max() > 1e-2
+    lines = gap.table(found, edges=(0.0, 0.8, 1.58))
+    counts = [int(line.split("|")[2]) for line in lines[2:]]
+    assert counts == [int((found["t"] < 0.8).sum()), int((found["t"] >= 0.8).sum())]

@@ -226,7 +226,7 @@ class SCM(nn.Module):
         if velocity_target is not None:
             (F, V), cs_dFdt = F.chunk(2, dim=1), cs_dFdt.chunk(2, dim=1)[0]
         F_minus = F.detach().float()
-        g = -cos_t.square() * (sigma_d * F_minus - dx_t) - self.warmup(step) * (cos_t * sin_t * x_t + sigma_d * cs_dFdt.float())
+        g = self.tangent(F_minus, cs_dFdt.float(), x_t, t, dx_t, step)
         g_norm = g.flatten(1).norm(dim=1)
         g = g / bcast(g_norm + self.tangent_c, g)
 
@@ -246,6 +246,12 @@ class SCM(nn.Module):
             metrics["velocity_mse"] = velocity_mse.detach()
         mse = err.detach().square().mean()
         return loss, {"loss": loss.detach(), "mse": mse, "tangent_norm": g_norm.detach().mean(), **metrics}
+
+    def tangent(self, F_minus, cs_dFdt, x_t, t, dx_t, step):
+        """Algorithm 1's g before its normalisation, from F- and cos t sin t dF-/dt (fp32)."""
+        cos_t, sin_t = bcast(torch.cos(t), x_t), bcast(torch.sin(t), x_t)
+        flow = -cos_t.square() * (self.sigma_d * F_minus - dx_t)
+        return flow - self.warmup(step) * (cos_t * sin_t * x_t + self.sigma_d * cs_dFdt)
 
     def consistency_fn(self, model, x_t, t, y, cfg_scale: float = 1.0):
         """f(x_t, t) = cos(t) x_t - sin(t) sigma_d F(x_t / sigma_d, t), t a python float."""
