@@ -15,6 +15,14 @@ velocity sg(u(z_t, t, t)) there instead (one more forward without gradient): the
 (u(z, t, t) is the marginal velocity there) with a less noisy target. The loss stays
 ||u - sg(v - (t - r) du/dt)||^2 = ||u + (t - r) sg(du/dt) - v||^2, the "velocity loss" form.
 
+Target velocity (`target_velocity`): "sample" keeps v in the target's first term; "model" puts the same
+sg(u(z_t, t, t)) there on the r != t samples, u_tgt = sg(u(z_t, t, t)) - (t - r) du/dt (Eulerian self-distillation:
+the flow map learns from the model's own marginal velocity, which the r = t samples keep training on v); "ema" takes
+that velocity from an EMA of the model (`split_ema`, one of trainer.ema_decays; one more forward without gradient), a
+target network that lags the model. The target of a long interval then carries none of v's noise, at the price of
+the velocity's own error; with guidance in training u(z_t, t, t | y) is already the guided velocity the r = t samples
+learn. From scratch on the CPU run "model" diverges in both predictions (docs/quality.md, twenty-second day).
+
 The Lagrangian identity (`identity="lagrangian"`; "eulerian", the default, is the one above): the flow map
 X(z_t) = z_t - (t - r) u(z_t, r, t) must move with the velocity at its own end point, dX/dr = v(X, r), so
 
@@ -103,6 +111,7 @@ from flm.objectives.teacher import feature_blocks, load_teacher, teacher_feature
 
 
 TANGENTS = ("sample", "model")
+TARGET_VELOCITIES = ("sample", "model", "ema")
 IDENTITIES = ("eulerian", "lagrangian")
 SPLIT_TARGETS = ("student", "ema", "teacher", "teacher_student")
 SPLIT_POINTS = ("mid", "uniform")
@@ -163,6 +172,8 @@ class MeanFlow(nn.Module):
         cfg_omega, cfg_kappa: guidance in training (paper eq. 19); 1.0 and 0.0 turn it off.
         label_dropout: probability of the null label (CFG training); classes read from the model.
         tangent: "sample" (v, the paper's) or "model" (sg(u(z_t, t, t)), see the module docstring).
+        target_velocity: "sample" (v, the paper's), "model" (sg(u(z_t, t, t)) in the r != t samples' target) or "ema"
+            (the same from the split_ema EMA); see the module docstring. Eulerian identity, no teacher.
         identity: "eulerian" (the MeanFlow identity, the paper's) or "lagrangian" (the velocity at the jump's end
             point, see the module docstring; its JVP is along r alone, so the tangent option does not apply).
         jvp_mode: "dual" (one dual pass) or "two_pass" (no-grad JVP pass + gradient pass).
@@ -209,6 +220,7 @@ class MeanFlow(nn.Module):
         cfg_kappa: float = 0.0,
         label_dropout: float = 0.1,
         tangent: str = "sample",
+        target_velocity: str = "sample",
         identity: str = "eulerian",
         jvp_mode: str = "dual",
         jvp_subset: bool = False,
@@ -268,6 +280,16 @@ class MeanFlow(nn.Module):
                 "keep cfg_omega=1.0 and cfg_kappa=0.0, or use identity=eulerian"
             )
         self.identity = identity
+        if target_velocity not in TARGET_VELOCITIES:
+            raise ValueError(f"unknown target_velocity {target_velocity!r}; valid: {', '.join(TARGET_VELOCITIES)}")
+        if target_velocity != "sample" and (identity != "eulerian" or teacher):
+            raise ValueError(
+                f"target_velocity={target_velocity} puts the model's own velocity in the Eulerian identity's target in place "
+                "of v, and "
+                f"this objective has identity={identity!r}, teacher={teacher!r} (the Lagrangian target already takes the "
+                "model's velocity, a teacher's is better); set objective.target_velocity=sample"
+            )
+        self.target_velocity = target_velocity
         self.jvp_mode = check_jvp_mode(jvp_mode)
         if jvp_subset and r_zero:
             raise ValueError(
@@ -301,7 +323,7 @@ class MeanFlow(nn.Module):
         if not 0 < split_ema < 1:
             raise ValueError(f"split_ema must be an EMA decay in (0, 1), got {split_ema!r}")
         # the loop passes the EMA of this decay to loss() as `ema` (flm.train.loop.build_state)
-        self.target_ema_decay = split_ema if split_target == "ema" else None
+        self.target_ema_decay = split_ema if "ema" in (split_target, target_velocity) else None
         if teacher:
             self.networks = {"teacher": Network(build=functools.partial(load_teacher, teacher), model_init=True)}
         if not (0 <= perceptual_weight < math.inf and 0 <= perceptual_t < 1):
@@ -384,12 +406,12 @@ class MeanFlow(nn.Module):
             lagrangian = functools.partial(self._lagrangian_target, model, teacher=teacher)
             u_tgt, u = self._on_subset(model, s.x_t, t, r, y_in, lagrangian, diagonal)
         else:
-            u_tgt, u = self._eulerian_target(model, s, r, y, y_in, teacher)
+            u_tgt, u = self._eulerian_target(model, s, r, y, y_in, teacher, ema)
         if self.split_above is not None:
             u_tgt = self._with_split_targets(model, s.x_t, t, r, y_in, u_tgt, teacher, ema)
         return t, r, u.float() - u_tgt, s.x_t, u
 
-    def _eulerian_target(self, model, s, r, y, y_in, teacher=None):
+    def _eulerian_target(self, model, s, r, y, y_in, teacher=None, ema=None):
         """(sg(u_tgt), u) of the MeanFlow identity (eq. 8) at the path sample s; y are the labels before dropout."""
         t = s.t
         guided_training = self.cfg_omega != 1.0 or self.cfg_kappa != 0.0
@@ -398,13 +420,18 @@ class MeanFlow(nn.Module):
             v = teacher_velocity(teacher, s.x_t, t, y_in, self.teacher_cfg_scale)
 
         def identity(z, t, r, y, v):  # u and u_tgt = v - (t - r) du/dt of the samples that take the JVP
-            if self.tangent == "model":
-                with torch.no_grad():
-                    dz = model(z, t, t, y)
-            else:
-                dz = v.to(z.dtype)
+            with torch.no_grad():
+                u_tt = model(z, t, t, y) if "model" in (self.tangent, self.target_velocity) else None
+                if self.target_velocity == "ema":
+                    check_target_ema(ema, self.target_ema_decay, "objective.target_velocity=ema")
+                    v_self = ema(z, t, t, y)
+                else:
+                    v_self = u_tt
+            dz = u_tt if self.tangent == "model" else v.to(z.dtype)
             # du/dt along (dz, dr, dt) = (v, 0, 1) (eq. 8; dz = sg(u(z_t, t, t)) for tangent="model"): r has none
             u, dudt = jvp(lambda z_, t_: model(z_, t_, r, y), (z, t), (dz, torch.ones_like(t)), mode=self.jvp_mode)
+            if self.target_velocity != "sample":  # r = t keeps v: the velocity's own training signal
+                v = torch.where(bcast(t != r, v), v_self.float(), v)
             return v - bcast(t - r, v) * dudt.float(), u
 
         u_tgt, u = self._on_subset(model, s.x_t, t, r, y_in, identity, lambda u, i: v[i].float(), v)

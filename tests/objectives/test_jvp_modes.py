@@ -38,8 +38,10 @@ def _step(objective_name, model, backend, jvp_mode, plain=False, options=None):
         ("scm", None, "velocity"),
         ("meanflow", None, "data"),  # d/dt through the data prediction's division by t
         ("scm", None, "data"),  # and through sCM's F built from it (1 / sin t)
+        ("meanflow", {"tangent": "model", "target_velocity": "model"}, "data"),
     ],
-    ids=["meanflow", "meanflow-lagrangian", "scm", "meanflow-data", "scm-data"],  # the Lagrangian identity's JVP is along r alone
+    # the Lagrangian identity's JVP is along r alone
+    ids=["meanflow", "meanflow-lagrangian", "scm", "meanflow-data", "scm-data", "meanflow-self"],
 )
 def test_gradients_agree_across_modes_and_backends(objective_name, options, prediction):
     model = tiny_dit(time_inputs=2 if objective_name == "meanflow" else 1)

@@ -280,6 +280,47 @@ def test_model_tangent_away_from_the_solution():
         MeanFlow(tangent="u")
 
 
+@pytest.mark.parametrize(("tangent", "slope"), [("model", 2.0), ("sample", 1.0)])
+def test_target_velocity_model_takes_the_models_own_velocity_where_r_differs_from_t(tangent, slope):
+    """u = (z - a)/t + c t, so u(z, t, t) = v + c t and du/dt = slope c (2c along the model tangent, c along v): with
+    the model's velocity in the target, u - u_tgt = slope c (t - r) where r != t; r = t keeps v: u - v = c t."""
+    c, x = 0.3, _data()
+    objective = MeanFlow(r_neq_t=0.5, adaptive_p=0.0, tangent=tangent, target_velocity="model")
+    torch.manual_seed(1)
+    loss, _ = objective.loss(PointMassMeanFlow(A, offset=c), x)
+    torch.manual_seed(1)
+    t, r = objective.sample_times(x.shape[0], x.device)
+    err = torch.where(r != t, slope * c * (t - r), c * t)
+    torch.testing.assert_close(loss, 4 * (err**2).mean(), rtol=1e-4, atol=0)
+    _, metrics = MeanFlow(r_neq_t=1.0, target_velocity="model").loss(PointMassMeanFlow(A), x)
+    assert metrics["mse"] < 1e-10  # the exact average velocity stays a fixed point
+
+
+def test_target_velocity_ema_takes_the_velocity_of_the_target_network():
+    """The EMA's u(z, t, t) = v + c' t in the target, the model's tangent (du/dt = 2c): u - u_tgt = (c - c') t + 2c (t - r)
+    where r != t."""
+    c, c_ema, x = 0.3, 0.1, _data()
+    objective = MeanFlow(r_neq_t=0.5, adaptive_p=0.0, tangent="model", target_velocity="ema", split_ema=0.9)
+    assert objective.target_ema_decay == 0.9  # the loop hands the loss this EMA
+    torch.manual_seed(1)
+    loss, _ = objective.loss(PointMassMeanFlow(A, offset=c), x, ema=PointMassMeanFlow(A, offset=c_ema))
+    torch.manual_seed(1)
+    t, r = objective.sample_times(x.shape[0], x.device)
+    err = torch.where(r != t, (c - c_ema) * t + 2 * c * (t - r), c * t)
+    torch.testing.assert_close(loss, 4 * (err**2).mean(), rtol=1e-4, atol=0)
+    with pytest.raises(ValueError, match="objective.target_velocity=ema needs the model's EMA at decay 0.9"):
+        objective.loss(PointMassMeanFlow(A, offset=c), x)
+
+
+def test_target_velocity_model_refuses_a_teacher_and_the_lagrangian_identity():
+    with pytest.raises(ValueError, match="valid: sample, model, ema"):
+        MeanFlow(target_velocity="teacher")
+    with pytest.raises(ValueError, match="target_velocity=model puts the model's own velocity"):
+        MeanFlow(target_velocity="model", identity="lagrangian")
+    with pytest.raises(ValueError, match="target_velocity=model puts the model's own velocity"):
+        MeanFlow(target_velocity="model", teacher="runs/fm")
+
+
 def test_sample_times():
     torch.manual_seed(0)
     t, r = MeanFlow(r_neq_t=0.25).sample_times(20000, "cpu")
