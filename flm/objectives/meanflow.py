@@ -21,7 +21,9 @@ the flow map learns from the model's own marginal velocity, which the r = t samp
 that velocity from an EMA of the model (`split_ema`, one of trainer.ema_decays; one more forward without gradient), a
 target network that lags the model. The target of a long interval then carries none of v's noise, at the price of
 the velocity's own error; with guidance in training u(z_t, t, t | y) is already the guided velocity the r = t samples
-learn. From scratch on the CPU run "model" diverges in both predictions (docs/quality.md, twenty-second day).
+learn. Any field's own flow map satisfies this target exactly, a constant image too, so only the r = t samples
+anchor it to the data: with the adaptive weight at p = 1 (a log-like loss, which lets the exactly-met samples
+outweigh the anchor) the CPU run collapses to one grey image; at p = 0 it trains (docs/quality.md, twenty-second day).
 
 The Lagrangian identity (`identity="lagrangian"`; "eulerian", the default, is the one above): the flow map
 X(z_t) = z_t - (t - r) u(z_t, r, t) must move with the velocity at its own end point, dX/dr = v(X, r), so
@@ -288,6 +290,12 @@ class MeanFlow(nn.Module):
                 "of v, and "
                 f"this objective has identity={identity!r}, teacher={teacher!r} (the Lagrangian target already takes the "
                 "model's velocity, a teacher's is better); set objective.target_velocity=sample"
+            )
+        if target_velocity != "sample" and adaptive_p >= 1:
+            raise ValueError(
+                f"target_velocity={target_velocity} with adaptive_p={adaptive_p}: a constant image meets the self-distilled "
+                "target exactly and a p of 1 or more lets it outweigh the r = t samples (the CPU run collapsed to one "
+                "grey image, docs/quality.md); set objective.adaptive_p=0 (or below 1)"
             )
         self.target_velocity = target_velocity
         self.jvp_mode = check_jvp_mode(jvp_mode)

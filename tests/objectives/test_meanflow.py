@@ -292,7 +292,7 @@ def test_target_velocity_model_takes_the_models_own_velocity_where_r_differs_fro
     t, r = objective.sample_times(x.shape[0], x.device)
     err = torch.where(r != t, slope * c * (t - r), c * t)
     torch.testing.assert_close(loss, 4 * (err**2).mean(), rtol=1e-4, atol=0)
-    _, metrics = MeanFlow(r_neq_t=1.0, target_velocity="model").loss(PointMassMeanFlow(A), x)
+    _, metrics = MeanFlow(r_neq_t=1.0, target_velocity="model", adaptive_p=0.0).loss(PointMassMeanFlow(A), x)
     assert metrics["mse"] < 1e-10  # the exact average velocity stays a fixed point
 
 
@@ -312,13 +312,15 @@ def test_target_velocity_ema_takes_the_velocity_of_the_target_network():
         objective.loss(PointMassMeanFlow(A, offset=c), x)
 
 
-def test_target_velocity_model_refuses_a_teacher_and_the_lagrangian_identity():
+def test_target_velocity_model_refuses_a_teacher_the_lagrangian_identity_and_p_1():
     with pytest.raises(ValueError, match="valid: sample, model, ema"):
         MeanFlow(target_velocity="teacher")
     with pytest.raises(ValueError, match="target_velocity=model puts the model's own velocity"):
-        MeanFlow(target_velocity="model", identity="lagrangian")
+        MeanFlow(target_velocity="model", identity="lagrangian", adaptive_p=0.0)
     with pytest.raises(ValueError, match="target_velocity=model puts the model's own velocity"):
-        MeanFlow(target_velocity="model", teacher="runs/fm")
+        MeanFlow(target_velocity="model", teacher="runs/fm", adaptive_p=0.0)
+    with pytest.raises(ValueError, match="set objective.adaptive_p=0"):  # the collapse measured at p = 1
+        MeanFlow(target_velocity="ema")
 
 
 def test_sample_times():

@@ -239,3 +239,16 @@ def test_an_auto_prediction_is_recorded_resolved_and_a_resume_keeps_its_own(tmp_
     train_run(tmp_path / "mfv", ["objective=meanflow", "model.prediction=velocity", "trainer.max_steps=2"])
     train_run(tmp_path / "mfv", ["objective=meanflow", "trainer.max_steps=4", "trainer.resume=auto"])
     assert checkpoint.saved_prediction(str(tmp_path / "mfv")) == "velocity"
+
+
+def test_the_ema_target_velocity_gets_the_runs_ema(tmp_path, train_run, monkeypatch):
+    """objective.target_velocity=ema: the loop hands the loss the frozen EMA of split_ema, the same one every step."""
+    import flm.objectives.meanflow as meanflow
+
+    seen = []
+    check = meanflow.check_target_ema
+    monkeypatch.setattr(meanflow, "check_target_ema", lambda ema, *a: seen.append(ema) or check(ema, *a))
+    options = ["objective=meanflow", "objective.target_velocity=ema", "objective.adaptive_p=0", "objective.split_ema=0.98"]
+    train_run(tmp_path / "run", options)
+    assert len(seen) == 4 and all(net is seen[0] for net in seen)
+    assert not any(p.requires_grad for p in seen[0].parameters())
