@@ -287,9 +287,8 @@ class MeanFlow(nn.Module):
         if target_velocity != "sample" and (identity != "eulerian" or teacher):
             raise ValueError(
                 f"target_velocity={target_velocity} puts the model's own velocity in the Eulerian identity's target in place "
-                "of v, and "
-                f"this objective has identity={identity!r}, teacher={teacher!r} (the Lagrangian target already takes the "
-                "model's velocity, a teacher's is better); set objective.target_velocity=sample"
+                f"of v, and this objective has identity={identity!r}, teacher={teacher!r} (the Lagrangian target already "
+                "takes the model's velocity, a teacher's is better); set objective.target_velocity=sample"
             )
         if target_velocity != "sample" and adaptive_p >= 1:
             raise ValueError(
