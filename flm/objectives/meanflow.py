@@ -23,7 +23,8 @@ target network that lags the model. The target of a long interval then carries n
 the velocity's own error; with guidance in training u(z_t, t, t | y) is already the guided velocity the r = t samples
 learn. Any field's own flow map satisfies this target exactly, a constant image too, so only the r = t samples
 anchor it to the data: with the adaptive weight at p = 1 (a log-like loss, which lets the exactly-met samples
-outweigh the anchor) the CPU run collapses to one grey image; at p = 0 it trains (docs/quality.md, twenty-second day).
+outweigh the anchor) the CPU run collapses to one grey image, at 0.5 still with the model's velocity; at p = 0 it
+trains (docs/quality.md, twenty-second day), and p >= 0.5 is refused.
 
 The Lagrangian identity (`identity="lagrangian"`; "eulerian", the default, is the one above): the flow map
 X(z_t) = z_t - (t - r) u(z_t, r, t) must move with the velocity at its own end point, dX/dr = v(X, r), so
@@ -290,11 +291,11 @@ class MeanFlow(nn.Module):
                 f"of v, and this objective has identity={identity!r}, teacher={teacher!r} (the Lagrangian target already "
                 "takes the model's velocity, a teacher's is better); set objective.target_velocity=sample"
             )
-        if target_velocity != "sample" and adaptive_p >= 1:
+        if target_velocity != "sample" and adaptive_p >= 0.5:
             raise ValueError(
                 f"target_velocity={target_velocity} with adaptive_p={adaptive_p}: a constant image meets the self-distilled "
-                "target exactly and a p of 1 or more lets it outweigh the r = t samples (the CPU run collapsed to one "
-                "grey image, docs/quality.md); set objective.adaptive_p=0 (or below 1)"
+                "target exactly and a large p lets it outweigh the r = t samples (the CPU run collapsed at p = 1, and at "
+                "0.5 with the model's velocity; docs/quality.md); set objective.adaptive_p=0"
             )
         self.target_velocity = target_velocity
         self.jvp_mode = check_jvp_mode(jvp_mode)

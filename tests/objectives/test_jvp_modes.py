@@ -38,7 +38,7 @@ def _step(objective_name, model, backend, jvp_mode, plain=False, options=None):
         ("scm", None, "velocity"),
         ("meanflow", None, "data"),  # d/dt through the data prediction's division by t
         ("scm", None, "data"),  # and through sCM's F built from it (1 / sin t)
-        ("meanflow", {"tangent": "model", "target_velocity": "model", "adaptive_p": 0.5}, "data"),
+        ("meanflow", {"tangent": "model", "target_velocity": "model", "adaptive_p": 0.25}, "data"),
     ],
     # the Lagrangian identity's JVP is along r alone
     ids=["meanflow", "meanflow-lagrangian", "scm", "meanflow-data", "scm-data", "meanflow-self"],
