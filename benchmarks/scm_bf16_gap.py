@@ -20,7 +20,6 @@ import torch
 
 from flm.data import stored_data
 from flm.objectives import SCM
-from flm.objectives.jvp import jvp
 from flm.objectives.paths import bcast, lognormal_trigflow
 from flm.train.generator import load_generator, open_generator
 
@@ -43,16 +42,10 @@ def tangents(scm: SCM, model, x, y, seed: int, device: torch.device) -> dict:
     torch.manual_seed(seed)
     t = lognormal_trigflow(len(x), scm.p_mean, scm.p_std, scm.sigma_d, device=device)
     s = scm.path.sample(x, torch.randn_like(x), t)
-    cos_sin = torch.cos(t) * torch.sin(t)
     out = {"t": t}
     for precision, enabled in (("fp32", False), ("bf16", True)):
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled), torch.no_grad():
-            F, cs_dFdt = jvp(
-                lambda x_in, t_in: scm.network_output(model, x_in, t_in, y),
-                (s.x_t / scm.sigma_d, t),
-                (bcast(cos_sin, x) * s.dx_t / scm.sigma_d, cos_sin),
-                mode="dual",
-            )
+            F, cs_dFdt = scm.jvp_F(lambda x_in, t_in: scm.network_output(model, x_in, t_in, y), s.x_t, t, s.dx_t)
         F = F.float()
         flow = -bcast(torch.cos(t), x).square() * (scm.sigma_d * F - s.dx_t)
         out[precision] = (scm.tangent(F, cs_dFdt.float(), s.x_t, t, s.dx_t, step=scm.warmup_steps), flow)
@@ -69,10 +62,9 @@ def table(found: dict, edges=EDGES) -> list[str]:
         "|---|---|---|---|---|---|---|",
     ]
     for lo, hi in zip(edges[:-1], edges[1:]):
-        inside = (t >= lo) & (t < hi)
-        if not inside.any():
+        i = (t >= lo) & (t < hi)
+        if not i.any():
             continue
-        i = inside
         lines.append(
             f"| [{lo:g}, {hi:g}) | {int(i.sum())} | {norm(g32[i]).median():.3f} | {norm(flow32[i]).median():.3f} | "
             f"{norm(g32[i] - flow32[i]).median():.3f} | {rel[i].median():.4f} | {cos[i].mean():.4f} |"

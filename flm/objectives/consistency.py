@@ -214,15 +214,11 @@ class SCM(nn.Module):
         hf_weight: squared_error's, a number or one per sample, in place of self.hf_weight. velocity_target: the
         velocity head's flow-matching target (velocity_weight > 0), from the same forward as F."""
         sigma_d = self.sigma_d
-        cos_t, sin_t = bcast(torch.cos(t), x_t), bcast(torch.sin(t), x_t)
-
-        # JVP rearrangement: tangents pre-multiplied by cos t sin t, giving cos t sin t dF/dt directly
         if velocity_target is None:
             fn = lambda x_in, t_in: self.network_output(model, x_in, t_in, y)  # noqa: E731
         else:  # F and the velocity head stacked on the channels: one forward, one JVP (the head's tangent unused)
             fn = lambda x_in, t_in: model(x_in, t_in, None, y, head="both")  # noqa: E731
-        tangents = (cos_t * sin_t * dx_t / sigma_d, torch.cos(t) * torch.sin(t))
-        F, cs_dFdt = jvp(fn, (x_t / sigma_d, t), tangents, mode=self.jvp_mode)
+        F, cs_dFdt = self.jvp_F(fn, x_t, t, dx_t)
         if velocity_target is not None:
             (F, V), cs_dFdt = F.chunk(2, dim=1), cs_dFdt.chunk(2, dim=1)[0]
         F_minus = F.detach().float()
@@ -246,6 +242,13 @@ class SCM(nn.Module):
             metrics["velocity_mse"] = velocity_mse.detach()
         mse = err.detach().square().mean()
         return loss, {"loss": loss.detach(), "mse": mse, "tangent_norm": g_norm.detach().mean(), **metrics}
+
+    def jvp_F(self, fn, x_t, t, dx_t):
+        """(F, cos t sin t dF/dt) of F = fn(x_t / sigma_d, t) along dx_t/dt = dx_t, by the JVP rearrangement: tangents
+        pre-multiplied by cos t sin t give cos t sin t dF/dt directly."""
+        cos_sin = torch.cos(t) * torch.sin(t)
+        tangents = (bcast(cos_sin, x_t) * dx_t / self.sigma_d, cos_sin)
+        return jvp(fn, (x_t / self.sigma_d, t), tangents, mode=self.jvp_mode)
 
     def tangent(self, F_minus, cs_dFdt, x_t, t, dx_t, step):
         """Algorithm 1's g before its normalisation, from F- and cos t sin t dF-/dt (fp32)."""
