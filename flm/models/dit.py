@@ -317,7 +317,7 @@ class DiT(nn.Module):
         t = t.expand(B) if t.dim() == 0 else t
         c = self.t_embedder(t)  # (B, D)
         if self.dt_embedder is not None:
-            c = c + self.dt_embedder(t - (r.expand(B) if r.dim() == 0 else r))
+            c = c + self.dt_embedder(t - fnn.joins(r.expand(B) if r.dim() == 0 else r, t))
         if self.y_embedder is not None:
             if y is None:
                 y = torch.full((B,), self.num_classes, dtype=torch.long, device=x.device)
