@@ -26,6 +26,8 @@ layers are their plain ops under compile, and the fused kernel's JVP op has an a
         --backends triton_jvp --modes dual --exec eager,graph                       # distillation (issue 14)
     PYTHONPATH=. python benchmarks/train_step.py --exec eager,compile --backends math,triton_jvp --tokens 256
     PYTHONPATH=. python benchmarks/train_step.py --objectives flow_matching,meanflow,meanflow:jvp_subset=true
+    PYTHONPATH=. python benchmarks/train_step.py --models DiT-B/2 --tokens 1024 --objectives meanflow,scm \
+        --backends triton_jvp --modes dual --exec eager,graph --rounds 8           # eager / graph through host noise
     PYTHONPATH=. python benchmarks/train_step.py --tiny                             # CPU smoke check
 
 An objective is NAME or NAME:KEY=VALUE[;KEY=VALUE...], its options as in configs/objective (the row is labelled
@@ -84,6 +86,13 @@ def parse_args(argv=None):
     p.add_argument("--num-classes", type=int, default=1000)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="time every row this many times, the rows interleaved (all built at once: more memory), and report the "
+        "median of the rounds' medians and their range: an eager step's host speed moves 15-30 %% within minutes",
+    )
     p.add_argument("--out", default=None, help="also write the table (Markdown) to this file")
     p.add_argument(
         "--exec",
@@ -101,6 +110,8 @@ def parse_args(argv=None):
     for execution in args.exec:
         if execution not in valid:
             p.error(f"--exec {execution!r} is not one of {', '.join(valid)}")
+    if args.rounds < 1:
+        p.error(f"--rounds must be >= 1, got {args.rounds}")
     if args.tiny:
         args.models, args.tokens, args.batch_tokens, args.num_classes = ["DiT-T/2"], [16], 32, 10
         args.iters, args.warmup = 2, 1
@@ -116,8 +127,8 @@ def _is_oom(err: Exception) -> bool:
     return isinstance(err, torch.cuda.OutOfMemoryError) or "out of memory" in str(err).lower()
 
 
-def measure(model_name, tokens, objective_name, backend, mode, execution, args, device, dtype):
-    """(ms per step, peak GiB) of one configuration; raises on OOM."""
+def build_step(model_name, tokens, objective_name, backend, mode, execution, args, device, dtype):
+    """(step, batch) of one configuration, warmed up; step(i) runs one training step. Raises on OOM."""
     from flm.models import MODEL_SIZES
 
     patch = MODEL_SIZES[model_name][3]
@@ -180,23 +191,60 @@ def measure(model_name, tokens, objective_name, backend, mode, execution, args, 
                 opt.step()
                 opt.zero_grad(set_to_none=True)
 
-    if device.type == "cuda":
-        # from the first step on: a CUDA graph allocates its activations once, at capture (in the warm-up)
-        torch.cuda.reset_peak_memory_stats(device)
     for i in range(args.warmup):
         step(i)
+    return step, batch
+
+
+def timed(step, iters: int, device) -> tuple[float, float]:
+    """Medians of (ms per step, host ms per step) over iters steps."""
     _sync(device)
     times, host = [], []
-    for i in range(args.iters):
+    for i in range(iters):
         t0 = time.perf_counter()
         step(i)
         host.append(1e3 * (time.perf_counter() - t0))  # ~ times: the step is bound by Python, not the GPU
         _sync(device)
         times.append(1e3 * (time.perf_counter() - t0))
-    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
-    if args.profile:
-        _profile(step, device)
-    return statistics.median(times), statistics.median(host), peak, batch
+    return statistics.median(times), statistics.median(host)
+
+
+class Row:
+    """One configuration's measurements: its first round builds it (peak memory: what it allocates), each round
+    times --iters steps."""
+
+    def __init__(self, config, args, device, dtype):
+        self.config, self.ms, self.host, self.step, self.peak = config, [], [], None, None
+        self.batch = max(1, args.batch_tokens // config[1])
+        before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+        if device.type == "cuda":
+            # from the first step on: a CUDA graph allocates its activations once, at capture (in the warm-up)
+            torch.cuda.reset_peak_memory_stats(device)
+        try:
+            self.step, self.batch = build_step(*config, args, device, dtype)
+            self.time(args, device)
+        except Exception as err:
+            if not _is_oom(err):
+                raise
+            self.release(device)  # OOM: no numbers
+            return
+        if device.type == "cuda":
+            self.peak = (torch.cuda.max_memory_allocated(device) - before) / 2**30
+        else:
+            self.peak = float("nan")
+        if args.profile:
+            _profile(self.step, device)
+
+    def time(self, args, device) -> None:
+        ms, host = timed(self.step, args.iters, device)
+        self.ms.append(ms)
+        self.host.append(host)
+
+    def release(self, device) -> None:
+        self.step = None
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
 
 
 def _profile(step, device, rows: int = 12):
@@ -233,6 +281,36 @@ def _ratio(a, b):
     return "-" if a is None or b is None or not (b > 0) or math.isnan(a) else f"{a / b:.2f}x"
 
 
+def table_line(row: Row, fm: dict, with_range: bool = False) -> str:
+    """The row's table line (printed); fm collects the flow-matching rows that later rows are set against."""
+    model_name, tokens, objective, backend, mode, execution = row.config
+    ms = None if row.peak is None else statistics.median(row.ms)
+    host = None if row.peak is None else statistics.median(row.host)
+    if objective == "flow_matching":
+        fm[model_name, tokens, backend, execution] = (ms, row.peak)
+    base = fm.get((model_name, tokens, backend, execution), (None, None))
+    sdpa = fm.get((model_name, tokens, "sdpa", execution), (None, None))
+    cells = [
+        model_name,
+        f"{tokens} x {row.batch}",
+        execution,
+        objective,
+        backend,
+        mode,
+        "OOM" if ms is None else f"{ms:.1f}",
+        *([("-" if ms is None else f"{min(row.ms):.1f}-{max(row.ms):.1f}")] if with_range else []),
+        "-" if host is None else f"{host:.1f}",
+        "OOM" if row.peak is None else ("n/a" if math.isnan(row.peak) else f"{row.peak:.2f}"),
+        _ratio(ms, base[0]),
+        _ratio(row.peak, base[1]),
+        _ratio(ms, sdpa[0]),
+        _ratio(row.peak, sdpa[1]),
+    ]
+    line = "| " + " | ".join(cells) + " |"
+    print(line, flush=True)
+    return line
+
+
 def main(argv=None):
     args = parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -240,54 +318,35 @@ def main(argv=None):
     import triton
 
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (Triton interpreter)"
+    rounds = "" if args.rounds == 1 else f", {args.rounds} interleaved rounds (median of their medians; ms range: theirs)"
     header = [
         f"# Training step: {gpu}, torch {torch.__version__}, triton {triton.__version__}, {str(dtype).split('.')[1]} "
         f"autocast, {args.channels} channels, {args.num_classes} classes, tokens x batch = {args.batch_tokens}, "
-        f"AdamW, median of {args.iters} steps after {args.warmup}",
+        f"AdamW, median of {args.iters} steps after {args.warmup}{rounds}",
         "",
         "Flow-matching rows run the row's backend on plain tensors (triton_jvp: Triton FlashAttention forward "
         "+ FA2 backward); `sdpa` is PyTorch SDPA. Ratios: to flow matching with the same backend, and to "
         "flow matching with SDPA. host ms: time for Python to issue the step (close to ms / step: host-bound).",
         "",
-        "| model | tokens x batch | exec | objective | attention | JVP mode | ms / step | host ms | peak GiB | time / FM | mem / FM | time / FM sdpa | mem / FM sdpa |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| model | tokens x batch | exec | objective | attention | JVP mode | ms / step |"
+        + (" ms range |" if args.rounds > 1 else "")
+        + " host ms | peak GiB | time / FM | mem / FM | time / FM sdpa | mem / FM sdpa |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if args.rounds > 1 else ""),
     ]
     print("\n".join(header), flush=True)
-    lines, fm = list(header), {}
-    for model_name, tokens, objective, backend, mode, execution in rows_to_run(args):
-        try:
-            ms, host, peak, batch = measure(model_name, tokens, objective, backend, mode, execution, args, device, dtype)
-        except Exception as err:
-            if not _is_oom(err):
-                raise
-            ms = host = peak = None
-            batch = max(1, args.batch_tokens // tokens)
-        finally:
-            gc.collect()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-        if objective == "flow_matching":
-            fm[model_name, tokens, backend, execution] = (ms, peak)
-        base = fm.get((model_name, tokens, backend, execution), (None, None))
-        sdpa = fm.get((model_name, tokens, "sdpa", execution), (None, None))
-        cells = [
-            model_name,
-            f"{tokens} x {batch}",
-            execution,
-            objective,
-            backend,
-            mode,
-            "OOM" if ms is None else f"{ms:.1f}",
-            "-" if host is None else f"{host:.1f}",
-            "OOM" if peak is None else ("n/a" if math.isnan(peak) else f"{peak:.2f}"),
-            _ratio(ms, base[0]),
-            _ratio(peak, base[1]),
-            _ratio(ms, sdpa[0]),
-            _ratio(peak, sdpa[1]),
-        ]
-        line = "| " + " | ".join(cells) + " |"
-        print(line, flush=True)
-        lines.append(line)
+    lines, fm, rows = list(header), {}, []
+    for config in rows_to_run(args):
+        rows.append(Row(config, args, device, dtype))
+        if args.rounds == 1:
+            rows[-1].release(device)
+            lines.append(table_line(rows[-1], fm))
+    for _ in range(args.rounds - 1):
+        for row in rows:
+            if row.step is not None:
+                row.time(args, device)
+    if args.rounds > 1:
+        for row in rows:
+            lines.append(table_line(row, fm, with_range=True))
     if args.out:
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         with open(args.out, "w") as f:

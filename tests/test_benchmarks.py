@@ -161,6 +161,35 @@ def test_train_step_takes_objective_options(capsys):
         train_step.split_objective("meanflow:jvp_subset")
 
 
+def test_train_step_interleaves_rounds(capsys):
+    """--rounds 3: every row timed in three interleaved rounds; its ms / step (the median of the rounds' medians) lies in
+    its ms range; --rounds 0 is refused."""
+    train_step = load("train_step")
+    train_step.main(
+        [
+            "--tiny",
+            "--objectives",
+            "flow_matching,meanflow",
+            "--backends",
+            "math",
+            "--modes",
+            "dual",
+            "--no-sdpa-baseline",
+            "--rounds",
+            "3",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert "3 interleaved rounds" in out and "| ms range |" in out
+    rows = [line.split("|") for line in out.splitlines() if line.startswith("| DiT-T/2")]
+    assert [row[4].strip() for row in rows] == ["flow_matching", "meanflow"]
+    for row in rows:
+        low, high = map(float, row[8].split("-"))
+        assert low <= float(row[7]) <= high
+    with pytest.raises(SystemExit):
+        train_step.parse_args(["--rounds", "0"])
+
+
 def test_host_time_times_every_layer_and_step(capsys):
     load("host_time").main(["--depth", "2", "--calls", "5", "--steps", "2", "--repeats", "1"])
     rows = [line.split("|") for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "---" not in line]
