@@ -20,7 +20,7 @@ import torch
 
 from flm.data import stored_data
 from flm.objectives import SCM
-from flm.objectives.paths import bcast, lognormal_trigflow
+from flm.objectives.paths import lognormal_trigflow
 from flm.train.generator import load_generator, open_generator
 
 EDGES = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0, 1.2, 1.4, 1.58)
@@ -46,9 +46,8 @@ def tangents(scm: SCM, model, x, y, seed: int, device: torch.device) -> dict:
     for precision, enabled in (("fp32", False), ("bf16", True)):
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled), torch.no_grad():
             F, cs_dFdt = scm.jvp_F(lambda x_in, t_in: scm.network_output(model, x_in, t_in, y), s.x_t, t, s.dx_t)
-        F = F.float()
-        flow = -bcast(torch.cos(t), x).square() * (scm.sigma_d * F - s.dx_t)
-        out[precision] = (scm.tangent(F, cs_dFdt.float(), s.x_t, t, s.dx_t, step=scm.warmup_steps), flow)
+        flow, consistency = scm.tangent_parts(F.float(), cs_dFdt.float(), s.x_t, t, s.dx_t)
+        out[precision] = (flow - consistency, flow)  # g at the full warm-up
     return out
 
 

@@ -252,9 +252,15 @@ class SCM(nn.Module):
 
     def tangent(self, F_minus, cs_dFdt, x_t, t, dx_t, step):
         """Algorithm 1's g before its normalisation, from F- and cos t sin t dF-/dt (fp32)."""
+        flow, consistency = self.tangent_parts(F_minus, cs_dFdt, x_t, t, dx_t)
+        return flow - self.warmup(step) * consistency
+
+    def tangent_parts(self, F_minus, cs_dFdt, x_t, t, dx_t):
+        """g's flow-matching part -cos^2 t (sigma_d F- - dx_t/dt) and its consistency part cos t sin t x_t + sigma_d
+        cos t sin t dF-/dt, which the warm-up scales: g = flow - warmup * consistency."""
         cos_t, sin_t = bcast(torch.cos(t), x_t), bcast(torch.sin(t), x_t)
         flow = -cos_t.square() * (self.sigma_d * F_minus - dx_t)
-        return flow - self.warmup(step) * (cos_t * sin_t * x_t + self.sigma_d * cs_dFdt)
+        return flow, cos_t * sin_t * x_t + self.sigma_d * cs_dFdt
 
     def consistency_fn(self, model, x_t, t, y, cfg_scale: float = 1.0):
         """f(x_t, t) = cos(t) x_t - sin(t) sigma_d F(x_t / sigma_d, t), t a python float."""
