@@ -52,6 +52,7 @@ from flm.objectives.paths import (
     TrigFlowPath,
     bcast,
     lognormal_trigflow,
+    ramp,
     randn_per_image,
 )
 from flm.objectives.protocol import NO_NETWORKS
@@ -167,11 +168,7 @@ class SCM(nn.Module):
 
     def warmup(self, step):
         """min(1, step / warmup_steps); step is an int, or a 0-dim tensor (a CUDA-graph step reads it on the GPU)."""
-        if self.warmup_steps == 0:
-            return 1.0
-        if isinstance(step, torch.Tensor):
-            return (step / self.warmup_steps).clamp(max=1.0)
-        return min(1.0, step / self.warmup_steps)
+        return ramp(step, self.warmup_steps)
 
     def network_output(self, model, x_in, t, y, cfg_scale: float = 1.0):
         """F(x_t / sigma_d, t) at x_in = x_t / sigma_d: the model itself, or built from a data-predicting model's clean

@@ -62,6 +62,14 @@ a JVP. The r != t samples are then a fixed count, the batch's first round(r_neq_
 in place of a random share: the same loss in expectation, a step that costs about (1 - r_neq_t) flow-matching steps
 plus r_neq_t MeanFlow steps, and static shapes for CUDA graphs.
 
+The interval warm-up (`interval_warmup`, off by default): the r != t samples' intervals are shortened to
+g (t - r) with g = min(1, step / interval_warmup), r = t - g (t - r), so training starts on short intervals, where
+u is close to the instantaneous velocity and the identity's target needs little of the model's own du/dt, and reaches
+the full proposal after interval_warmup steps: a curriculum from the velocity to long jumps, after the finding that
+long-interval targets are learnt well only once the velocity and short intervals are. The samplers' intervals
+(one_step_frac, two_step_frac) are not shortened. Same shapes and cost at every step (a CUDA-graph step reads the
+step on the GPU).
+
 Guidance in training (section 4.2, eqs. 13-19, off by default): v is replaced, in the target and in
 the JVP tangent, by v~ = omega v + kappa u(z_t, t, t | y) + (1 - omega - kappa) u(z_t, t, t | null),
 the two u's without gradient; samples whose label was dropped to the null class keep v~ = v.
@@ -108,7 +116,7 @@ from flm.objectives.checks import (
 from flm.objectives.adversarial import AdversarialRegularised
 from flm.objectives.dmd import DMDRegularised
 from flm.objectives.frequency import first_k_hf_weight, squared_error
-from flm.objectives.paths import LinearPath, bcast, logit_normal, time_grid
+from flm.objectives.paths import LinearPath, bcast, logit_normal, ramp, time_grid
 from flm.objectives.protocol import NO_NETWORKS, Network
 from flm.objectives.teacher import feature_blocks, load_teacher, teacher_features, teacher_velocity
 
@@ -146,6 +154,8 @@ class MeanFlow(nn.Module):
             sample, the jumps weighted by their lengths).
         teacher_steps: Euler steps of the teacher over an interval (split_target="teacher") or over the first
             jump (split_target="teacher_student").
+        interval_warmup: the r != t intervals are scaled by min(1, step / interval_warmup) (see the module
+            docstring); 0: off, the full proposal from the first step.
         r_zero: fraction of samples with r = 0, drawn before r_neq_t applies: the interval [0, t] of a
             consistency model, whose t = 1 end is the 1-step sampler's. Two logit-normal draws rarely span
             it (t - r >= 0.7 for ~1 % of samples, docs/quality.md); 0 is the paper's proposal.
@@ -203,6 +213,7 @@ class MeanFlow(nn.Module):
         t_mean: float = -0.4,
         t_std: float = 1.0,
         r_neq_t: float = 0.25,
+        interval_warmup: int = 0,
         r_zero: float = 0.0,
         one_step_frac: float = 0.0,
         two_step_frac: float = 0.0,
@@ -263,6 +274,9 @@ class MeanFlow(nn.Module):
                 f"cfg_omega={cfg_omega!r}, cfg_kappa={cfg_kappa!r}; 1.0 and 0.0 turn it off"
             )
         self.t_mean, self.t_std, self.r_neq_t, self.r_zero = t_mean, t_std, r_neq_t, r_zero
+        if not (isinstance(interval_warmup, int) and interval_warmup >= 0):
+            raise ValueError(f"interval_warmup must be a number of steps >= 0 (0: off), got {interval_warmup!r}")
+        self.interval_warmup = interval_warmup
         self.one_step_frac, self.two_step_frac = one_step_frac, two_step_frac
         self.adaptive_p, self.adaptive_c = adaptive_p, adaptive_c
         self.hf_weight = check_hf_weight(hf_weight)
@@ -346,9 +360,10 @@ class MeanFlow(nn.Module):
             )
         self.perceptual_weight, self.perceptual_t, self.perceptual_blocks = perceptual_weight, perceptual_t, perceptual_blocks
 
-    def sample_times(self, n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    def sample_times(self, n: int, device, step=None) -> tuple[torch.Tensor, torch.Tensor]:
         """(t, r) with t >= r: two logit-normal draws sorted; a fraction r_zero gets r = 0, and of the others
-        a fraction 1 - r_neq_t gets r = t (with jvp_subset: all but the first jvp_count(n)); then the first
+        a fraction 1 - r_neq_t gets r = t (with jvp_subset: all but the first jvp_count(n)); at a training step the
+        intervals are shortened by the interval warm-up (step None: the full proposal); then the first
         round(one_step_frac n) samples get (r, t) = (0, 1) and the next round(two_step_frac n) the 2-step sampler's
         (s, 1) and (0, s) in turn."""
         a = logit_normal(n, self.t_mean, self.t_std, device=device)
@@ -361,6 +376,8 @@ class MeanFlow(nn.Module):
             r = torch.where(torch.rand(n, device=device) < self.r_neq_t, r, t)
         if self.r_zero:  # no extra draw at 0: the paper's proposal keeps its random stream
             r = torch.where(torch.rand(n, device=device) < self.r_zero, torch.zeros_like(r), r)
+        if step is not None and self.interval_warmup:
+            r = t - ramp(step, self.interval_warmup) * (t - r)
         # fixed counts: static shapes, and the random stream is unchanged
         k1, k2 = self.one_step_count(n), round(self.two_step_frac * n)
         if k1 or k2:
@@ -395,14 +412,15 @@ class MeanFlow(nn.Module):
         keep = bcast((y_in == null_labels(model, y)) | ~in_interval(t, self.cfg_interval), v)
         return torch.where(keep, s.dx_t, v)
 
-    def errors(self, model, x, y=None, *, teacher=None, ema=None):
-        """(t, r, u - sg(u_tgt)) of a batch: each sample's times and its error against the target (eq. 8), fp32."""
-        return self._errors(model, x, y, teacher=teacher, ema=ema)[:3]
+    def errors(self, model, x, y=None, *, step=None, teacher=None, ema=None):
+        """(t, r, u - sg(u_tgt)) of a batch: each sample's times and its error against the target (eq. 8), fp32;
+        step: the training step (the interval warm-up's), None: the full proposal."""
+        return self._errors(model, x, y, step=step, teacher=teacher, ema=ema)[:3]
 
-    def _errors(self, model, x, y=None, *, teacher=None, ema=None):
+    def _errors(self, model, x, y=None, *, step=None, teacher=None, ema=None):
         """errors' (t, r, u - sg(u_tgt)), then z_t and u."""
         y_in = drop_labels(model, y, self.label_dropout)
-        t, r = self.sample_times(x.shape[0], x.device)
+        t, r = self.sample_times(x.shape[0], x.device, step)
         s = self.path.sample(x, torch.randn_like(x), t)
         if self.identity == "lagrangian":
             # at r = t the end point X is z_t itself: u_tgt is the velocity there
@@ -561,7 +579,7 @@ class MeanFlow(nn.Module):
 
     def loss(self, model, x, y=None, *, step: int = 0, teacher=None, ema=None):
         n = x.shape[0]
-        _, _, err, z, u = self._errors(model, x, y, teacher=teacher, ema=ema)
+        _, _, err, z, u = self._errors(model, x, y, step=step, teacher=teacher, ema=ema)
         sq = squared_error(err, self.hf_weights(n, x.device))  # ||u - u_tgt||^2 per sample (pixel-scale part weighted)
         metrics = {"mse": err.detach().square().mean()}
         k1 = self.one_step_count(n)

@@ -62,6 +62,16 @@ def lognormal_trigflow(n: int, p_mean: float, p_std: float, sigma_d: float, *, d
     return torch.atan(torch.exp(tau) / sigma_d)
 
 
+def ramp(step, length: int):
+    """min(1, step / length), a warm-up factor; 1 when length is 0. step is an int, or a 0-dim tensor (a CUDA-graph step
+    reads it on the GPU, flm.train.graphs)."""
+    if length == 0:
+        return 1.0
+    if isinstance(step, torch.Tensor):
+        return (step / length).clamp(max=1.0)
+    return min(1.0, step / length)
+
+
 def randn_per_image(generators, shape, *, device=None) -> torch.Tensor:
     """(len(generators), *shape) N(0, I) noise, image i drawn from generators[i] (CPU generators, so the
     numbers do not depend on the device or on which images share a batch)."""

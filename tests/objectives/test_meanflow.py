@@ -346,6 +346,47 @@ def test_sample_times_r_zero():
         MeanFlow(r_zero=-0.1)
 
 
+@pytest.mark.parametrize("as_tensor", [False, True])
+def test_interval_warmup_shortens_the_intervals_then_lets_them_be(as_tensor):
+    """interval_warmup scales each r != t interval by min(1, step / interval_warmup) from the same draws; t, the r = t
+    samples and the samplers' intervals stay; a tensor step (a CUDA-graph step's) gives the same times."""
+
+    def times(step, **kwargs):
+        torch.manual_seed(0)
+        step = torch.tensor(step) if as_tensor and step is not None else step
+        return MeanFlow(r_neq_t=0.5, jvp_subset=True, one_step_frac=0.125, **kwargs).sample_times(64, "cpu", step)
+
+    t0, r0 = times(None)
+    assert (t0[8:36] > r0[8:36]).all() and (t0[36:] == r0[36:]).all()  # 8 + round(0.5 x 56) take r != t
+    for step, scale in [(0, 0.0), (250, 0.25), (1000, 1.0), (5000, 1.0)]:
+        t, r = times(step, interval_warmup=1000)
+        torch.testing.assert_close(t, t0)
+        torch.testing.assert_close(t[8:] - r[8:], scale * (t0[8:] - r0[8:]))
+        assert (t[:8] == 1).all() and (r[:8] == 0).all()
+    torch.testing.assert_close(times(250), (t0, r0))  # off by default
+    torch.testing.assert_close(times(None, interval_warmup=1000), (t0, r0))  # no step (evaluation): the full proposal
+
+
+class _GapMeanFlow(PointMassMeanFlow):
+    """u = (z - a)/t + c (t - r): the exact velocity at r = t, an error 2 c (t - r) against the identity's target elsewhere."""
+
+    def forward(self, x, t, r=None, y=None):
+        return (x - self.a) / t.reshape(-1, 1, 1, 1) + self.offset * (t - r).reshape(-1, 1, 1, 1)
+
+
+def test_interval_warmup_starts_as_flow_matching():
+    """At step 0 every interval is empty, so the loss is the velocity's alone: zero for a model whose velocity is exact
+    and whose longer intervals are not, which the full intervals charge for."""
+    torch.manual_seed(0)
+    model, x = _GapMeanFlow(A, offset=0.3), _data()
+    objective = MeanFlow(r_neq_t=1.0, adaptive_p=0.0, interval_warmup=100)
+    _, start = objective.loss(model, x, step=0)
+    _, done = objective.loss(model, x, step=100)
+    assert start["mse"] < 1e-10 < done["mse"]
+    with pytest.raises(ValueError, match="interval_warmup must be a number of steps >= 0"):
+        MeanFlow(interval_warmup=-1)
+
+
 @pytest.mark.parametrize(("mid_t", "s"), [((), 0.5), ((0.6,), 0.6)])
 def test_sample_times_one_and_two_step_fracs(mid_t, s):
     """one_step_frac puts a fixed count, the batch's first samples, at (r, t) = (0, 1); two_step_frac the next ones at
@@ -510,7 +551,7 @@ def test_perceptual_config_errors(kwargs, match):
 
 def _fixed_times(objective, t, r):
     """objective with its proposal replaced by the times (t, r)."""
-    objective.sample_times = lambda n, device: (t, r)
+    objective.sample_times = lambda n, device, step=None: (t, r)
     return objective
 
 
