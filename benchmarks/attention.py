@@ -81,6 +81,8 @@ def run_row(d: int, n: int, heads: int = 16, bh: int = 64, dtype=torch.bfloat16)
     row["jvp_tflops"] = 3 * flops / row["jvp_ms"] / 1e9
     row["jvp_mib"] = peak_extra_mib(lambda: fa.jvp_attention(q, k, v, tq, tk, tv))
 
+    row.update(train_ms(q, k, v, tq, tk, tv, row["jvp_ms"]))
+
     for name, backend in (("fa2", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
         try:
             with sdpa_kernel(backend):
@@ -100,6 +102,29 @@ def run_row(d: int, n: int, heads: int = 16, bh: int = 64, dtype=torch.bfloat16)
     except torch.OutOfMemoryError:
         row["math_ms"] = row["math_mib"] = None
     torch.cuda.empty_cache()
+    return row
+
+
+def train_ms(q, k, v, tq, tk, tv, jvp_fwd: float) -> dict:
+    """What a training step pays for attention: the fused JVP forward plus the backward of o (the tangent takes no
+    gradient), against SDPA's forward plus backward (PyTorch's choice of kernel; cuDNN on Hopper), in GPU ms. The
+    backward columns are the differences to each one's forward alone (jvp_fwd: the fused JVP forward's ms)."""
+    q, k, v = (a.detach().requires_grad_() for a in (q, k, v))
+    do = torch.randn_like(q)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def jvp_step():
+        o, _ = fa.jvp_attention(q, k, v, tq, tk, tv)
+        return torch.autograd.grad(o, (q, k, v), do)
+
+    def sdpa_step():
+        return torch.autograd.grad(sdpa(q, k, v), (q, k, v), do)
+
+    with torch.no_grad():
+        sdpa_fwd = gpu_ms(lambda: sdpa(q, k, v))
+    row = {"jvp_train_ms": gpu_ms(jvp_step), "sdpa_train_ms": gpu_ms(sdpa_step), "sdpa_fwd_ms": sdpa_fwd}
+    row["jvp_bwd_ms"], row["sdpa_bwd_ms"] = row["jvp_train_ms"] - jvp_fwd, row["sdpa_train_ms"] - sdpa_fwd
+    row["train_ratio"] = row["jvp_train_ms"] / row["sdpa_train_ms"]
     return row
 
 
@@ -142,6 +167,25 @@ def backward_table(rows, names) -> str:
     return "\n".join(lines)
 
 
+def train_table(rows) -> str:
+    """Forward + backward, the fused JVP path against SDPA (FLOPs bound: (3 + 2.5) / (1 + 2.5) = 1.57x)."""
+    lines = [
+        "| head dim | tokens | fused JVP fwd ms | fused bwd ms | fused JVP fwd + bwd ms | SDPA fwd ms | SDPA bwd ms "
+        "| SDPA fwd + bwd ms | ratio |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        cells = [
+            r["head_dim"],
+            r["tokens"],
+            *(f"{r[key]:.3f}" for key in ("jvp_ms", "jvp_bwd_ms", "jvp_train_ms")),
+            *(f"{r[key]:.3f}" for key in ("sdpa_fwd_ms", "sdpa_bwd_ms", "sdpa_train_ms")),
+            f"{r['train_ratio']:.2f}x",
+        ]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return "\n".join(lines)
+
+
 def fmt(x, spec=".1f", missing="OOM"):
     return missing if x is None else format(x, spec)
 
@@ -180,6 +224,7 @@ def main(argv=None):
             f"{fmt(r['math_ms'], '.2f')} | {fmt(speedup, '.1f')}x | {r['jvp_mib']:.0f} | {fmt(r['math_mib'], '.0f')} | "
             f"{r['first_call_s']:.1f} | {r['jvp_host_us']:.0f} |"
         )
+    print(f"\n{train_table(rows)}")
 
     if args.out:
         os.makedirs(args.out, exist_ok=True)
