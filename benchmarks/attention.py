@@ -107,8 +107,9 @@ def run_row(d: int, n: int, heads: int = 16, bh: int = 64, dtype=torch.bfloat16)
 
 def train_ms(q, k, v, tq, tk, tv, jvp_fwd: float) -> dict:
     """What a training step pays for attention: the fused JVP forward plus the backward of o (the tangent takes no
-    gradient), against SDPA's forward plus backward (PyTorch's choice of kernel; cuDNN on Hopper), in GPU ms. The
-    backward columns are the differences to each one's forward alone (jvp_fwd: the fused JVP forward's ms)."""
+    gradient), against SDPA's forward plus backward (PyTorch's choice of kernel; cuDNN on Hopper), in GPU ms, and the
+    host time of each (what an eager step pays before the GPU can start). The backward columns are the differences to
+    each one's forward alone (jvp_fwd: the fused JVP forward's ms)."""
     q, k, v = (a.detach().requires_grad_() for a in (q, k, v))
     do = torch.randn_like(q)
     sdpa = torch.nn.functional.scaled_dot_product_attention
@@ -125,6 +126,7 @@ def train_ms(q, k, v, tq, tk, tv, jvp_fwd: float) -> dict:
     row = {"jvp_train_ms": gpu_ms(jvp_step), "sdpa_train_ms": gpu_ms(sdpa_step), "sdpa_fwd_ms": sdpa_fwd}
     row["jvp_bwd_ms"], row["sdpa_bwd_ms"] = row["jvp_train_ms"] - jvp_fwd, row["sdpa_train_ms"] - sdpa_fwd
     row["train_ratio"] = row["jvp_train_ms"] / row["sdpa_train_ms"]
+    row["jvp_train_host_us"], row["sdpa_train_host_us"] = host_us(jvp_step), host_us(sdpa_step)
     return row
 
 
@@ -171,8 +173,8 @@ def train_table(rows) -> str:
     """Forward + backward, the fused JVP path against SDPA (FLOPs bound: (3 + 2.5) / (1 + 2.5) = 1.57x)."""
     lines = [
         "| head dim | tokens | fused JVP fwd ms | fused bwd ms | fused JVP fwd + bwd ms | SDPA fwd ms | SDPA bwd ms "
-        "| SDPA fwd + bwd ms | ratio |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| SDPA fwd + bwd ms | ratio | fused fwd + bwd host us | SDPA fwd + bwd host us | host ratio |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         cells = [
@@ -181,6 +183,9 @@ def train_table(rows) -> str:
             *(f"{r[key]:.3f}" for key in ("jvp_ms", "jvp_bwd_ms", "jvp_train_ms")),
             *(f"{r[key]:.3f}" for key in ("sdpa_fwd_ms", "sdpa_bwd_ms", "sdpa_train_ms")),
             f"{r['train_ratio']:.2f}x",
+            f"{r['jvp_train_host_us']:.0f}",
+            f"{r['sdpa_train_host_us']:.0f}",
+            f"{r['jvp_train_host_us'] / r['sdpa_train_host_us']:.2f}x",
         ]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines)

@@ -263,10 +263,17 @@ def test_attention_backward_table_divides_by_torch_fa2():
 def test_attention_train_table_rows_and_ratio():
     attention = load("attention")
     row = {"head_dim": 72, "tokens": 1024, "jvp_ms": 0.2, "jvp_bwd_ms": 0.3, "jvp_train_ms": 0.5, "sdpa_fwd_ms": 0.1}
-    row |= {"sdpa_bwd_ms": 0.15, "sdpa_train_ms": 0.25, "train_ratio": 2.0}
+    row |= {
+        "sdpa_bwd_ms": 0.15,
+        "sdpa_train_ms": 0.25,
+        "train_ratio": 2.0,
+        "jvp_train_host_us": 300.0,
+        "sdpa_train_host_us": 120.0,
+    }
     lines = attention.train_table([row]).splitlines()
     assert lines[0].startswith("| head dim | tokens | fused JVP fwd ms | fused bwd ms | fused JVP fwd + bwd ms |")
-    assert lines[2] == "| 72 | 1024 | 0.200 | 0.300 | 0.500 | 0.100 | 0.150 | 0.250 | 2.00x |"
+    assert lines[2] == "| 72 | 1024 | 0.200 | 0.300 | 0.500 | 0.100 | 0.150 | 0.250 | 2.00x | 300 | 120 | 2.50x |"
+    assert lines[1].count("---") == lines[0].count("|") - 1
 
 
 def test_flow_map_error_against_exact_straight_flows():
