@@ -30,6 +30,7 @@ def build_model(
     prediction: str = "velocity",
     velocity_head: bool = False,
     cond_norm: bool = False,
+    bounded: bool = False,
 ) -> DiT:
     """A DiT of size `name` (a key of MODEL_SIZES, e.g. "DiT-B/2").
 
@@ -39,7 +40,8 @@ def build_model(
     time_scale * t (1: the objective's units; DiT's diffusion code used 1000); attention: a flm.attention backend name or "auto";
     prediction: "velocity", or "data" (the network predicts the clean image, forward returns the linear path's velocity;
     flm.models.dit); velocity_head: a second output, the flow's velocity, beside a consistency model's (sCM's
-    objective.velocity_weight asks for it); cond_norm: the conditioning embedding RMS-normalised before the adaLN layers.
+    objective.velocity_weight asks for it); cond_norm: the conditioning embedding RMS-normalised before the adaLN layers;
+    bounded: the clean-image prediction squashed into the data range [-1, 1] by tanh (prediction="data" only).
     """
     check_name(name)
     depth, hidden, heads, patch = MODEL_SIZES[name]
@@ -57,6 +59,7 @@ def build_model(
         prediction=prediction,
         velocity_head=velocity_head,
         cond_norm=cond_norm,
+        bounded=bounded,
     )
 
 
@@ -82,6 +85,7 @@ class ModelConfig:
     attention: str = "auto"  # a flm.attention backend, or auto (the fastest that runs here)
     prediction: str = "auto"  # velocity | data (the clean image; linear-path objectives) | auto (resolve_prediction)
     cond_norm: bool = False  # RMS-normalise the conditioning embedding before the adaLN layers (sCM's stabiliser)
+    bounded: bool = False  # the clean-image prediction through tanh, inside the pixels' range [-1, 1] (prediction=data)
 
     def __post_init__(self):
         check_fields(self, "model")
@@ -104,6 +108,11 @@ class ModelConfig:
         """build_model's keywords (what a checkpoint records as model_args); prediction resolved first."""
         if self.prediction == "auto":
             raise ValueError("model.prediction=auto has no network yet: resolve_prediction(objective.predictions) first")
+        if self.bounded and self.prediction != "data":
+            raise ValueError(
+                f"model.bounded=true squashes the clean-image prediction into [-1, 1], and this run's model predicts "
+                f"{self.prediction!r}; add model.prediction=data or drop model.bounded"
+            )
         return dict(
             dataclasses.asdict(self),
             input_size=input_size,

@@ -17,7 +17,11 @@ outputs, as in facebookresearch/DiT, with:
   for MeanFlow), returned as the linear path's velocity (x_t - x^) / t (t = 1 noise, flm.objectives.paths.LinearPath)
   so that every linear-path objective and sampler reads it unchanged. A one-step sample z - u(z, 0, 1) is then x^
   itself: the network need not reproduce its input noise to cancel it, which a velocity network must to within a
-  grey level on every background pixel.
+  grey level on every background pixel;
+- optionally (`bounded`, the clean-image prediction only) x^ = tanh(output): inside the data range [-1, 1] of pixels,
+  where most of MNIST's pixels sit at the bound. A linear head must hit -1 to within a grey level on every
+  background pixel; through tanh an error in the output moves the pixel by (1 - x^^2) of it, ~0 at the bound, so
+  background errors stop showing as faint grey speckle (what FID charges a 1-step sample for, docs/quality.md).
 
 Nothing here knows about JVPs: dual tensors (forward AD) and torch.func.jvp flow through, and the
 flm.nn layers keep the tangent path free of a reverse-mode graph.
@@ -207,6 +211,7 @@ class DiT(nn.Module):
         prediction: str = "velocity",
         velocity_head: bool = False,
         cond_norm: bool = False,
+        bounded: bool = False,
     ):
         super().__init__()
         if input_size % patch_size:
@@ -226,7 +231,13 @@ class DiT(nn.Module):
                 f"velocity_head=True is a second output beside a velocity-predicting model's (sCM's guidance in "
                 f"training), and this model predicts {prediction!r}; build it with prediction='velocity'"
             )
+        if bounded and prediction != "data":
+            raise ValueError(
+                f"bounded=True squashes the clean-image prediction into [-1, 1], and this model predicts {prediction!r}; "
+                f"build it with prediction='data' (model.prediction=data) or leave bounded off"
+            )
         self.prediction, self.velocity_head, self.cond_norm = prediction, bool(velocity_head), bool(cond_norm)
+        self.bounded = bool(bounded)
         self.input_size, self.in_channels, self.patch_size = input_size, in_channels, patch_size
         self.num_classes, self.time_inputs = num_classes, time_inputs
         self.grid = input_size // patch_size
@@ -295,6 +306,8 @@ class DiT(nn.Module):
         if head == "both":
             return torch.cat([out.to(x.dtype), velocity], dim=1)
         if self.prediction == "data":  # out is x^; the velocity (x_t - x^) / t, in x's precision (t (B,) or a scalar)
+            if self.bounded:  # in float32: tanh's slope near the bound is what bf16 would round away
+                out = torch.tanh(out.float())
             return velocity_from_data(x, out.to(x.dtype), t)
         return out.to(x.dtype)
 

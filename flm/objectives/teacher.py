@@ -37,6 +37,7 @@ SHARED_ARGS = {
     "time_scale": "time scale",
     "prediction": "prediction",
     "cond_norm": "conditioning norm (model.cond_norm)",
+    "bounded": "bounded clean-image prediction (model.bounded)",
 }
 
 

@@ -78,6 +78,42 @@ def test_a_data_prediction_is_returned_as_the_linear_paths_velocity():
     torch.testing.assert_close(tangent[:2], expected, rtol=1e-4, atol=1e-5)
 
 
+def test_a_bounded_data_prediction_is_tanh_of_the_output_with_its_jvp():
+    """bounded=True: x^ = tanh(output), inside [-1, 1] however large the output grows; the velocity and its JVP go
+    through tanh (d tanh = (1 - x^^2) d output)."""
+    plain = tiny_dit(time_inputs=2)
+    plain.prediction = "data"
+    bounded = copy.deepcopy(plain)
+    bounded.bounded = True
+    x, t, r, y = torch.randn(3, 3, 8, 8), torch.tensor([1.0, 0.5, 0.2]), torch.tensor([0.0, 0.2, 0.2]), torch.tensor([1, 2, 3])
+    t_ = t.reshape(3, 1, 1, 1)
+    x_hat = x - t_ * plain(x, t, r, y)
+    torch.testing.assert_close(x - t_ * bounded(x, t, r, y), torch.tanh(x_hat), rtol=1e-4, atol=1e-5)
+    with torch.no_grad():  # an output far outside the data range stays inside it through tanh
+        bounded.final_layer.linear.weight.mul_(1e3)
+    assert (x - t_ * bounded(x, t, r, y)).abs().max() <= 1.0 + 1e-5
+    bounded = copy.deepcopy(plain)
+    bounded.bounded = True
+    tx = torch.randn_like(x)
+    _, dx_hat = torch.func.jvp(lambda x_, t_: x_ - t_.reshape(3, 1, 1, 1) * plain(x_, t_, r, y), (x, t), (tx, torch.ones_like(t)))
+    _, tangent = torch.func.jvp(lambda x_, t_: bounded(x_, t_, r, y), (x, t), (tx, torch.ones_like(t)))
+    b_hat = torch.tanh(x_hat)
+    expected = (tx - (1 - b_hat**2) * dx_hat) / t_ - (x - b_hat) / t_**2
+    torch.testing.assert_close(tangent, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_bounded_needs_the_data_prediction():
+    with pytest.raises(ValueError, match="bounded=True squashes the clean-image prediction .* prediction='data'"):
+        build_model("DiT-T/2", input_size=8, in_channels=3, bounded=True)
+    config = ModelConfig(name="DiT-T/4", bounded=True).resolve_prediction(("velocity", "data"))
+    with pytest.raises(ValueError, match="model.bounded=true .* predicts 'velocity'; add model.prediction=data"):
+        config.args(input_size=8, in_channels=3, num_classes=0, time_inputs=1)
+    args = ModelConfig(name="DiT-T/4", bounded=True, prediction="data").args(
+        input_size=8, in_channels=3, num_classes=0, time_inputs=1
+    )
+    assert build_model(args.pop("name"), **args).bounded
+
+
 @pytest.mark.parametrize(
     "build,call,match",
     [

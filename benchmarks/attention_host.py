@@ -1,0 +1,102 @@
+"""Host time of the fused attention, layer by layer (issue 16): where an eager forward + backward spends its CPU.
+
+Each row times one layer of the call stack on its own, the outer ones including the inner ones, in microseconds of
+host time per call (benchmarks/attention.py's host_us: short rounds of calls issued without waiting for the GPU; bf16,
+batch x heads = 64), beside SDPA's forward, backward and both. A cProfile of the fused forward + backward follows (top
+functions by own time; 10 rounds of 20 calls, the synchronisation between rounds is its own row).
+
+    PYTHONPATH=. python benchmarks/attention_host.py [--head-dims 64 72 128] [--tokens 4096] [--profile-out FILE]
+"""
+
+import argparse
+import cProfile
+import io
+import pstats
+
+import torch
+import triton
+
+import flm.attention as fa
+from benchmarks.attention import host_us
+from flm.attention import triton_jvp
+from flm.kernels.attention_fwd import attention_fwd
+
+
+def layers(d: int, n: int, heads: int = 16, bh: int = 64):
+    b = bh // heads
+    q, k, v, tq, tk, tv = (torch.randn(b, heads, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(6))
+    qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
+    do = torch.randn_like(q)
+    scale = d**-0.5
+    o, _, lse = attention_fwd(q, k, v, tq, tk, tv, causal=False, scale=scale)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    so = sdpa(qg, kg, vg)
+
+    def fused_step():
+        o, _ = fa.jvp_attention(qg, kg, vg, tq, tk, tv)
+        return torch.autograd.grad(o, (qg, kg, vg), do)
+
+    rows = {
+        "torch.empty x 3 (for scale)": lambda: [torch.empty_like(q) for _ in range(3)],
+        "fwd: attention_fwd (the kernel launch and its allocations)": lambda: attention_fwd(
+            q, k, v, tq, tk, tv, causal=False, scale=scale
+        ),
+        "fwd: triton_jvp.jvp_attention (+ autograd.Function)": lambda: triton_jvp.jvp_attention(
+            qg, kg, vg, tq, tk, tv, causal=False, scale=scale
+        ),
+        "fwd: flm.attention.jvp_attention (+ input checks)": lambda: fa.jvp_attention(qg, kg, vg, tq, tk, tv),
+        "bwd: aten cuDNN backward op": lambda: triton_jvp.torch_cudnn_bwd(do, q, k, v, o, lse, False, scale),
+        "bwd: _bwd_impl (+ choice of backward)": lambda: triton_jvp._bwd_impl(do, q, k, v, o, lse, False, scale),
+        "fwd + bwd: fused, autograd.grad": fused_step,
+        "SDPA fwd (no grad)": lambda: sdpa(q, k, v),
+        "SDPA bwd: autograd.grad of a kept output": lambda: torch.autograd.grad(so, (qg, kg, vg), do, retain_graph=True),
+        "SDPA fwd + bwd, autograd.grad": lambda: torch.autograd.grad(sdpa(qg, kg, vg), (qg, kg, vg), do),
+    }
+    out = {name: host_us(fn) for name, fn in rows.items()}
+    out["backward in use"] = triton_jvp.backward_impl(q)
+    return out, fused_step
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--head-dims", type=int, nargs="+", default=[64, 72, 128])
+    p.add_argument("--tokens", type=int, nargs="+", default=[4096])
+    p.add_argument("--profile-out", default=None, help="also write the cProfile tables here")
+    args = p.parse_args()
+    print(
+        f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, bf16, "
+        f"batch x heads = 64; host us per call (median of 9 rounds of 20 calls)\n"
+    )
+    results, profiles = {}, []
+    for d in args.head_dims:
+        for n in args.tokens:
+            results[(d, n)], fused_step = layers(d, n)
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(10):  # short rounds: a full launch queue would make launches wait for the GPU
+                for _ in range(20):
+                    fused_step()
+                torch.cuda.synchronize()
+            prof.disable()
+            torch.cuda.synchronize()
+            s = io.StringIO()
+            pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(25)
+            profiles.append(f"## head dim {d}, {n} tokens: fused fwd + bwd x 200, by own time\n{s.getvalue()}")
+    names = [k for k in next(iter(results.values())) if k != "backward in use"]
+    cols = list(results)
+    print("| layer | " + " | ".join(f"D={d}, N={n}" for d, n in cols) + " |")
+    print("|---|" + "---|" * len(cols))
+    for name in names:
+        print(f"| {name} | " + " | ".join(f"{results[c][name]:.0f}" for c in cols) + " |")
+    fused, plain = "fwd + bwd: fused, autograd.grad", "SDPA fwd + bwd, autograd.grad"
+    print("| fused / SDPA fwd + bwd | " + " | ".join(f"{results[c][fused] / results[c][plain]:.2f}x" for c in cols) + " |")
+    print("| backward in use | " + " | ".join(results[c]["backward in use"] for c in cols) + " |")
+    text = "\n".join(profiles)
+    if args.profile_out:
+        with open(args.profile_out, "w") as f:
+            f.write(text)
+    print("\n" + text[:6000])
+
+
+if __name__ == "__main__":
+    main()
