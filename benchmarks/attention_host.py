@@ -22,6 +22,19 @@ from flm.attention import triton_jvp
 from flm.kernels.attention_fwd import attention_fwd
 
 
+class _Double(torch.autograd.Function):
+    """2 x, with a Python backward: what the autograd engine charges a Python Function on this device, apart from
+    any work in it."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2
+
+
 def layers(d: int, n: int, heads: int = 16, bh: int = 64):
     b = bh // heads
     q, k, v, tq, tk, tv = (torch.randn(b, heads, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(6))
@@ -51,6 +64,8 @@ def layers(d: int, n: int, heads: int = 16, bh: int = 64):
         "SDPA fwd (no grad)": lambda: sdpa(q, k, v),
         "SDPA bwd: autograd.grad of a kept output": lambda: torch.autograd.grad(so, (qg, kg, vg), do, retain_graph=True),
         "SDPA fwd + bwd, autograd.grad": lambda: torch.autograd.grad(sdpa(qg, kg, vg), (qg, kg, vg), do),
+        "2 x, native op, fwd + bwd": lambda: torch.autograd.grad(qg * 2, (qg,), do),
+        "2 x, Python autograd.Function, fwd + bwd": lambda: torch.autograd.grad(_Double.apply(qg), (qg,), do),
     }
     out = {name: host_us(fn) for name, fn in rows.items()}
     out["backward in use"] = triton_jvp.backward_impl(q)
