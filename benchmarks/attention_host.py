@@ -42,6 +42,7 @@ def layers(d: int, n: int, heads: int = 16, bh: int = 64):
     do = torch.randn_like(q)
     scale = d**-0.5
     o, _, lse = attention_fwd(q, k, v, tq, tk, tv, causal=False, scale=scale)
+    impl = triton_jvp.backward_impl(q)
     sdpa = torch.nn.functional.scaled_dot_product_attention
     so = sdpa(qg, kg, vg)
 
@@ -58,7 +59,7 @@ def layers(d: int, n: int, heads: int = 16, bh: int = 64):
             qg, kg, vg, tq, tk, tv, causal=False, scale=scale
         ),
         "fwd: flm.attention.jvp_attention (+ input checks)": lambda: fa.jvp_attention(qg, kg, vg, tq, tk, tv),
-        "bwd: aten cuDNN backward op": lambda: triton_jvp.torch_cudnn_bwd(do, q, k, v, o, lse, False, scale),
+        "bwd: the backward in use, called directly": lambda: triton_jvp.BACKWARDS[impl](do, q, k, v, o, lse, False, scale),
         "bwd: _bwd_impl (+ choice of backward)": lambda: triton_jvp._bwd_impl(do, q, k, v, o, lse, False, scale),
         "fwd + bwd: fused, autograd.grad": fused_step,
         "SDPA fwd (no grad)": lambda: sdpa(q, k, v),
@@ -67,9 +68,7 @@ def layers(d: int, n: int, heads: int = 16, bh: int = 64):
         "2 x, native op, fwd + bwd": lambda: torch.autograd.grad(qg * 2, (qg,), do),
         "2 x, Python autograd.Function, fwd + bwd": lambda: torch.autograd.grad(_Double.apply(qg), (qg,), do),
     }
-    out = {name: host_us(fn) for name, fn in rows.items()}
-    out["backward in use"] = triton_jvp.backward_impl(q)
-    return out, fused_step
+    return {name: host_us(fn) for name, fn in rows.items()}, impl, fused_step
 
 
 def main():
@@ -82,10 +81,10 @@ def main():
         f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, bf16, "
         f"batch x heads = 64; host us per call (median of 9 rounds of 20 calls)\n"
     )
-    results, profiles = {}, []
+    results, impls, profiles = {}, {}, []
     for d in args.head_dims:
         for n in args.tokens:
-            results[(d, n)], fused_step = layers(d, n)
+            results[(d, n)], impls[(d, n)], fused_step = layers(d, n)
             prof = cProfile.Profile()
             prof.enable()
             for _ in range(10):  # short rounds: a full launch queue would make launches wait for the GPU
@@ -93,19 +92,17 @@ def main():
                     fused_step()
                 torch.cuda.synchronize()
             prof.disable()
-            torch.cuda.synchronize()
             s = io.StringIO()
             pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(25)
             profiles.append(f"## head dim {d}, {n} tokens: fused fwd + bwd x 200, by own time\n{s.getvalue()}")
-    names = [k for k in next(iter(results.values())) if k != "backward in use"]
     cols = list(results)
     print("| layer | " + " | ".join(f"D={d}, N={n}" for d, n in cols) + " |")
     print("|---|" + "---|" * len(cols))
-    for name in names:
+    for name in results[cols[0]]:
         print(f"| {name} | " + " | ".join(f"{results[c][name]:.0f}" for c in cols) + " |")
     fused, plain = "fwd + bwd: fused, autograd.grad", "SDPA fwd + bwd, autograd.grad"
     print("| fused / SDPA fwd + bwd | " + " | ".join(f"{results[c][fused] / results[c][plain]:.2f}x" for c in cols) + " |")
-    print("| backward in use | " + " | ".join(results[c]["backward in use"] for c in cols) + " |")
+    print("| backward in use | " + " | ".join(impls[c] for c in cols) + " |")
     text = "\n".join(profiles)
     if args.profile_out:
         with open(args.profile_out, "w") as f:
