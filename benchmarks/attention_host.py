@@ -3,7 +3,9 @@
 Each row times one layer of the call stack on its own, the outer ones including the inner ones, in microseconds of
 host time per call (benchmarks/attention.py's host_us: short rounds of calls issued without waiting for the GPU; bf16,
 batch x heads = 64), beside SDPA's forward, backward and both. A cProfile of the fused forward + backward follows (top
-functions by own time; 10 rounds of 20 calls, the synchronisation between rounds is its own row).
+functions by own time; 10 rounds of 20 calls, the synchronisation between rounds is its own row). The chain rows run
+12 attentions in a row (each output the next query) under one autograd.grad, as a network's blocks do: the engine's
+entry and exit are paid once, and each call pays its own forward and its backward node.
 
     PYTHONPATH=. python benchmarks/attention_host.py [--head-dims 64 72 128] [--tokens 4096] [--profile-out FILE]
 """
@@ -19,7 +21,28 @@ import triton
 import flm.attention as fa
 from benchmarks.attention import host_us
 from flm.attention import triton_jvp
+from flm.kernels import attention_fwd as kernels
 from flm.kernels.attention_fwd import attention_fwd
+
+
+CHAIN = 12  # a DiT-B's depth
+
+
+class _OwnLaunch:
+    """Triton's own launch, `kernel[grid](...)`, in place of flm.kernels.launch.DirectLaunch."""
+
+    def __call__(self, grid, args, constexprs, num_warps, num_stages):
+        kernels._fwd_kernel[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
+
+
+class _Autotuned(dict):
+    """A memory of tuned configs that never remembers: every call goes through Triton's autotuner."""
+
+    def get(self, key, default=None):
+        return default
+
+    def __setitem__(self, key, value):
+        pass
 
 
 class _Double(torch.autograd.Function):
@@ -50,11 +73,34 @@ def layers(d: int, n: int, heads: int = 16, bh: int = 64):
         o, _ = fa.jvp_attention(qg, kg, vg, tq, tk, tv)
         return torch.autograd.grad(o, (qg, kg, vg), do)
 
+    def chain(attend, calls: int = CHAIN):
+        """`calls` attentions in a row (each one's output the next one's query, as in a network), one autograd.grad:
+        the engine's entry and exit are paid once, as in a training step, and each call pays its node's share."""
+        x = qg
+        for _ in range(calls):
+            x = attend(x)
+        return torch.autograd.grad(x, (qg, kg, vg), do)
+
+    fused_attend = lambda x: fa.jvp_attention(x, kg, vg, tq, tk, tv)[0]  # noqa: E731
+    sdpa_attend = lambda x: sdpa(x, kg, vg)  # noqa: E731
+
+    def former(replacement):
+        """attention_fwd with one of the former launch paths swapped back in."""
+        name = "_fwd_launch" if isinstance(replacement, _OwnLaunch) else "_TUNED"
+        kept = getattr(kernels, name)
+        setattr(kernels, name, replacement)
+        try:
+            return attention_fwd(q, k, v, tq, tk, tv, causal=False, scale=scale)
+        finally:
+            setattr(kernels, name, kept)
+
     rows = {
         "torch.empty x 3 (for scale)": lambda: [torch.empty_like(q) for _ in range(3)],
         "fwd: attention_fwd (the kernel launch and its allocations)": lambda: attention_fwd(
             q, k, v, tq, tk, tv, causal=False, scale=scale
         ),
+        "fwd: attention_fwd, Triton's own launch of the tuned config (the former path)": lambda: former(_OwnLaunch()),
+        "fwd: attention_fwd through the autotuner (the former path)": lambda: former(_Autotuned()),
         "fwd: triton_jvp.jvp_attention (+ autograd.Function)": lambda: triton_jvp.jvp_attention(
             qg, kg, vg, tq, tk, tv, causal=False, scale=scale
         ),
@@ -65,10 +111,14 @@ def layers(d: int, n: int, heads: int = 16, bh: int = 64):
         "SDPA fwd (no grad)": lambda: sdpa(q, k, v),
         "SDPA bwd: autograd.grad of a kept output": lambda: torch.autograd.grad(so, (qg, kg, vg), do, retain_graph=True),
         "SDPA fwd + bwd, autograd.grad": lambda: torch.autograd.grad(sdpa(qg, kg, vg), (qg, kg, vg), do),
+        f"fused fwd + bwd, {CHAIN} in a chain, per call": lambda: chain(fused_attend),
+        f"SDPA fwd + bwd, {CHAIN} in a chain, per call": lambda: chain(sdpa_attend),
         "2 x, native op, fwd + bwd": lambda: torch.autograd.grad(qg * 2, (qg,), do),
         "2 x, Python autograd.Function, fwd + bwd": lambda: torch.autograd.grad(_Double.apply(qg), (qg,), do),
     }
-    return {name: host_us(fn) for name, fn in rows.items()}, impl, fused_step
+    # a chain in rounds of 2, not 20: 20 chains of launches would fill the launch queue and wait for the GPU
+    timed = {name: host_us(fn, calls=2, rounds=15) / CHAIN if "in a chain" in name else host_us(fn) for name, fn in rows.items()}
+    return timed, impl, fused_step
 
 
 def main():
@@ -102,6 +152,12 @@ def main():
         print(f"| {name} | " + " | ".join(f"{results[c][name]:.0f}" for c in cols) + " |")
     fused, plain = "fwd + bwd: fused, autograd.grad", "SDPA fwd + bwd, autograd.grad"
     print("| fused / SDPA fwd + bwd | " + " | ".join(f"{results[c][fused] / results[c][plain]:.2f}x" for c in cols) + " |")
+    fused, plain = f"fused fwd + bwd, {CHAIN} in a chain, per call", f"SDPA fwd + bwd, {CHAIN} in a chain, per call"
+    print(
+        f"| fused / SDPA, {CHAIN} in a chain | "
+        + " | ".join(f"{results[c][fused] / results[c][plain]:.2f}x" for c in cols)
+        + " |"
+    )
     print("| backward in use | " + " | ".join(impls[c] for c in cols) + " |")
     text = "\n".join(profiles)
     if args.profile_out:

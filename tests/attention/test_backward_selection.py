@@ -19,6 +19,12 @@ def _like(device=CUDA, dtype=torch.bfloat16, head_dim=64):
     return types.SimpleNamespace(device=device, dtype=dtype, shape=(2, 4, 128, head_dim))
 
 
+@pytest.fixture(autouse=True)
+def _no_remembered_choice(monkeypatch):
+    """backward_impl remembers its choice per (device, dtype, head dim); each test starts without."""
+    monkeypatch.setattr(triton_jvp, "_AUTO_IMPLS", {})
+
+
 @pytest.fixture
 def hopper(monkeypatch):
     """A Hopper GPU with cuDNN and no flash_attn package; no verdicts cached."""
@@ -121,8 +127,23 @@ def test_other_gpus_and_head_dims_keep_flashattention(hopper):
     hopper.setattr(triton_jvp, "_cudnn_by_default", lambda device, dtype, head_dim: False)  # an A100, say
     assert triton_jvp.backward_impl(_like()) == "torch_fa2"
     hopper.setattr(triton_jvp, "_flash_attn_backward", lambda: object())
+    hopper.setattr(triton_jvp, "_AUTO_IMPLS", {})  # a process with flash_attn installed: nothing remembered
     assert triton_jvp.backward_impl(_like()) == "flash_attn"
     assert triton_jvp.backward_impl(_like(dtype=torch.float32)) == "triton"
+
+
+def test_the_choice_is_remembered_once_settled_and_forgotten_on_a_refusal(hopper):
+    checks = []
+    hopper.setattr(triton_jvp, "_cudnn_self_check", lambda *key: checks.append(key))
+    hopper.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert triton_jvp.backward_impl(_like()) == "torch_fa2"  # undecided inside a capture: not remembered
+    assert triton_jvp._AUTO_IMPLS == {}
+    hopper.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert [triton_jvp.backward_impl(_like()) for _ in range(3)] == ["cudnn"] * 3
+    assert len(checks) == 1
+    assert triton_jvp._AUTO_IMPLS[(CUDA, torch.bfloat16, 64)] == "cudnn"
+    hopper.setenv(triton_jvp.BACKWARD_ENV, "torch_fa2")  # forcing one still wins
+    assert triton_jvp.backward_impl(_like()) == "torch_fa2"
 
 
 def test_cudnn_by_default_needs_what_cudnn_takes(monkeypatch):

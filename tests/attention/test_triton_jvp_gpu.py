@@ -309,3 +309,30 @@ def test_compiled_step_with_bias_and_mask_has_no_graph_break():
     w.grad = bias.grad = None
     step(q, k, v, bias, mask).backward()
     assert rel_err(g_w, w.grad) < 1e-2 and rel_err(g_bias, bias.grad) < 1e-2
+
+
+def test_direct_launches_give_tritons_own_launch_outputs(monkeypatch):
+    """attention_fwd launches a compiled kernel directly once Triton has compiled it for such arguments
+    (flm.kernels.launch): the first call of each case takes Triton's own launch, the second the direct one, and
+    both give the same bits; inputs that Triton specialises differently (lengths not a multiple of 16, pointers off
+    16-byte alignment) get their own compiled kernel and stay correct."""
+    from flm.kernels import attention_fwd as kernels
+    from flm.kernels.launch import DirectLaunch
+
+    launcher = DirectLaunch(kernels._fwd_kernel)
+    monkeypatch.setattr(kernels, "_fwd_launch", launcher)
+    base = torch.randn(2 * 4 * 256 * 64 + 4, device="cuda").to(torch.bfloat16)
+    first = {}
+    for lq, offset in ((256, 0), (200, 0), (256, 4), (256, 0)):  # offset 4: 8-byte aligned pointers
+        x = base[offset : offset + 2 * 4 * lq * 64].view(2, 4, lq, 64)
+        t = x.flip(-1)
+        own, direct = (
+            kernels.attention_fwd(x, x, x, t, t, t, causal=False, scale=0.125, config=(64, 64, 4, 3)) for _ in range(2)
+        )
+        for a, b in zip(own, direct):
+            assert torch.equal(a, b)
+        first.setdefault((lq, offset), own)
+        ref_o, ref_to = jvp64(x, x, x, t, t, t, causal=False, scale=0.125)
+        assert rel_err(direct[0], ref_o) < TOL[torch.bfloat16] and rel_err(direct[1], ref_to) < TOL[torch.bfloat16]
+    assert all(torch.equal(a, b) for a, b in zip(first[(256, 0)], own))  # the repeated case, direct both times
+    assert len(launcher.compiled) == 3

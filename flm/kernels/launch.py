@@ -1,0 +1,64 @@
+"""Launching a compiled Triton kernel directly, once Triton has compiled it for the arguments' specialisation.
+
+A launch through `kernel[grid](...)` binds every argument to the kernel's signature and works out its specialisation
+(each int's being 1 or a multiple of 16, each pointer's 16-byte alignment) before it finds the compiled kernel: for the
+fused attention's ~50 arguments, most of the forward's host time. `DirectLaunch` keys the compiled kernel on the same
+properties, computed in one pass, and calls its launcher. The first call for a key, a profiler's launch hook, or a
+Triton without these internals take the ordinary path.
+"""
+
+import torch
+import triton
+
+try:
+    from triton import knobs
+except ImportError:  # Triton < 3.4: always the ordinary path
+    knobs = None
+
+
+def specialization(args) -> tuple:
+    """What Triton compiles a kernel for, per runtime argument: a tensor's dtype and 16-byte alignment, an int's width
+    (32 or 64 bits) and its being 1 or a multiple of 16; floats are not specialised."""
+    key = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            key.append((a.dtype, a.data_ptr() % 16 == 0))
+        elif isinstance(a, bool):
+            key.append((bool, a))
+        elif isinstance(a, int):
+            key.append((a == 1, a % 16 == 0, -(2**31) <= a < 2**31))
+        else:
+            key.append(type(a))
+    return tuple(key)
+
+
+def _hooked() -> bool:
+    """A profiler has set a launch hook (Triton keeps them in chains, empty unless one has)."""
+    hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
+    return any(h is not None and getattr(h, "calls", True) for h in hooks)
+
+
+class DirectLaunch:
+    """`launch(grid, args, constexprs, num_warps, num_stages)` runs `fn` as `fn[grid](*args, **constexprs, num_warps=,
+    num_stages=)` does. `args` are the kernel's runtime arguments in signature order (they come first in the
+    signature); `constexprs` name all the others."""
+
+    def __init__(self, fn: triton.JITFunction):
+        self.fn = fn
+        self.compiled: dict[tuple, tuple] = {}  # key -> (compiled kernel, constexpr values in signature order)
+
+    def __call__(self, grid, args: list, constexprs: dict, num_warps: int, num_stages: int) -> None:
+        device = torch.cuda.current_device()
+        key = (specialization(args), *constexprs.values(), num_warps, num_stages, device)
+        entry = self.compiled.get(key) if knobs is not None else None
+        if entry is None or _hooked():
+            kernel = self.fn[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
+            names = self.fn.arg_names
+            if entry is None and knobs is not None and sorted(names[len(args) :]) == sorted(constexprs):
+                self.compiled[key] = (kernel, tuple(constexprs[n] for n in names[len(args) :]))
+            return
+        kernel, tail = entry
+        stream = triton.runtime.driver.active.get_current_stream(device)
+        g1 = grid[1] if len(grid) > 1 else 1
+        g2 = grid[2] if len(grid) > 2 else 1
+        kernel.run(grid[0], g1, g2, stream, kernel.function, kernel.packed_metadata, None, None, None, *args, *tail)

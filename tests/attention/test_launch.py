@@ -1,0 +1,86 @@
+"""flm.kernels.launch.DirectLaunch: the compiled kernel is reused only for arguments Triton would compile alike, and
+launched with the arguments in the kernel's signature order. No GPU: a stand-in for the JITFunction and its compiled
+kernel; tests/attention/test_triton_jvp_gpu.py checks the real launches."""
+
+import types
+
+import pytest
+import torch
+
+from flm.kernels import launch
+
+
+class _Compiled:
+    def __init__(self, log):
+        self.function, self.packed_metadata, self.log = "function", "metadata", log
+
+    def run(self, g0, g1, g2, stream, function, packed_metadata, launch_metadata, enter, exit_, *args):
+        self.log.append(("direct", (g0, g1, g2), args))
+
+
+class _JIT:
+    """Records ordinary launches; its signature: two runtime arguments, then BLOCK and FLAG."""
+
+    def __init__(self):
+        self.arg_names = ["X", "n", "BLOCK", "FLAG"]
+        self.log = []
+
+    def __getitem__(self, grid):
+        def run(*args, num_warps, num_stages, **constexprs):
+            self.log.append(("jit", grid, args, constexprs))
+            return _Compiled(self.log)
+
+        return run
+
+
+@pytest.fixture
+def jit(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    driver = types.SimpleNamespace(get_current_stream=lambda device: 7)
+    monkeypatch.setattr(launch.triton.runtime, "driver", types.SimpleNamespace(active=driver))
+    if launch.knobs is None:
+        pytest.skip("this Triton has no knobs: every launch takes the ordinary path")
+    return _JIT()  # Triton's own hooks: empty chains
+
+
+def test_the_second_launch_is_direct_with_the_signature_order(jit):
+    run = launch.DirectLaunch(jit)
+    x = torch.zeros(64)
+    for _ in range(3):
+        run((4, 2), [x, 32], {"FLAG": True, "BLOCK": 16}, 4, 2)  # constexprs in another order than the signature
+    assert [e[0] for e in jit.log] == ["jit", "direct", "direct"]
+    assert jit.log[1] == ("direct", (4, 2, 1), (x, 32, 16, True))
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        lambda x: ([x[1:], 32], {"BLOCK": 16, "FLAG": True}, 4),  # a pointer off 16-byte alignment
+        lambda x: ([x.half(), 32], {"BLOCK": 16, "FLAG": True}, 4),  # another dtype
+        lambda x: ([x, 1], {"BLOCK": 16, "FLAG": True}, 4),  # an int that is 1
+        lambda x: ([x, 33], {"BLOCK": 16, "FLAG": True}, 4),  # an int not a multiple of 16
+        lambda x: ([x, 2**31], {"BLOCK": 16, "FLAG": True}, 4),  # a 64-bit int
+        lambda x: ([x, 32], {"BLOCK": 32, "FLAG": True}, 4),  # another constexpr
+        lambda x: ([x, 32], {"BLOCK": 16, "FLAG": True}, 8),  # other warps
+    ],
+)
+def test_arguments_triton_compiles_differently_take_the_ordinary_path(jit, other):
+    run = launch.DirectLaunch(jit)
+    x = torch.zeros(64)
+    run((1,), [x, 32], {"BLOCK": 16, "FLAG": True}, 4, 2)
+    args, constexprs, warps = other(x)
+    run((1,), args, constexprs, warps, 2)
+    assert [e[0] for e in jit.log] == ["jit", "jit"]
+    run((1,), [x, 48], {"BLOCK": 16, "FLAG": True}, 4, 2)  # the first one's specialisation again: direct
+    assert jit.log[-1][0] == "direct"
+
+
+def test_a_launch_hook_takes_the_ordinary_path(jit, monkeypatch):
+    run = launch.DirectLaunch(jit)
+    x = torch.zeros(64)
+    run((1,), [x, 32], {"BLOCK": 16, "FLAG": True}, 4, 2)
+    chain = type(launch.knobs.runtime.launch_enter_hook)()
+    chain.add(lambda metadata: None)  # a profiler's
+    monkeypatch.setattr(launch.knobs.runtime, "launch_enter_hook", chain)
+    run((1,), [x, 32], {"BLOCK": 16, "FLAG": True}, 4, 2)
+    assert [e[0] for e in jit.log] == ["jit", "jit"]
