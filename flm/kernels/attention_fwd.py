@@ -542,15 +542,23 @@ def split_head_dim(head_dim: int) -> tuple[int, int]:
         return main, 0
     if main >= 128:
         return 256, 0
-    return main, max(16, triton.next_power_of_2(head_dim - main))
+    return main, max(16, next_power_of_2(head_dim - main))
+
+
+def next_power_of_2(n: int) -> int:
+    """triton.next_power_of_2 for n >= 1, in plain Python: Triton's is a constexpr function whose call costs ~2 us of
+    host time (Triton 3.8, CPU), and the wrapper calls it on every launch."""
+    return 1 << (n - 1).bit_length()
 
 
 def _prepare(x: torch.Tensor, width: int) -> torch.Tensor:
-    """x in the kernel's layout: head dim zero-padded to `width` (above 128 only), unit head-dim stride and
+    """x (4 dims) in the kernel's layout: head dim zero-padded to `width` (above 128 only), unit head-dim stride and
     every other stride a multiple of 8 elements (16-byte aligned rows). Copies only when needed."""
-    if x.shape[-1] < width:
-        return F.pad(x, (0, width - x.shape[-1]))
-    if x.stride(-1) == 1 and all(st % 8 == 0 or n == 1 for st, n in zip(x.stride()[:3], x.shape[:3])):
+    b, h, n, d = x.shape
+    if d < width:
+        return F.pad(x, (0, width - d))
+    sb, sh, sn, sd = x.stride()
+    if sd == 1 and (sb % 8 == 0 or b == 1) and (sh % 8 == 0 or h == 1) and (sn % 8 == 0 or n == 1):
         return x
     return x.contiguous()
 
@@ -618,8 +626,8 @@ def attention_fwd(
         lq,
         lkv,
         scale,
-        triton.next_power_of_2(lq),
-        triton.next_power_of_2(lkv),
+        next_power_of_2(lq),
+        next_power_of_2(lkv),
     ]
     meta = dict(
         HEAD_DIM=width,
@@ -640,7 +648,7 @@ def attention_fwd(
         config = _TUNED.get(tune_key)
     if config is not None:
         bm, bn, warps, stages = config
-        grid = (triton.cdiv(lq, bm), b * h)
+        grid = (-(-lq // bm), b * h)
         if interpreted():
             _fwd_kernel[grid](*args, **meta, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
         else:
