@@ -61,6 +61,7 @@ def test_the_second_launch_is_direct_with_the_signature_order(jit):
         lambda x: ([x, 33], {"BLOCK": 16, "FLAG": True}, 4),  # an int not a multiple of 16
         lambda x: ([x, 2**31], {"BLOCK": 16, "FLAG": True}, 4),  # a 64-bit int
         lambda x: ([x, 32], {"BLOCK": 32, "FLAG": True}, 4),  # another constexpr
+        lambda x: ([x, 2**63], {"BLOCK": 16, "FLAG": True}, 4),  # an unsigned 64-bit int
         lambda x: ([x, 32], {"BLOCK": 16, "FLAG": True}, 8),  # other warps
     ],
 )
@@ -83,4 +84,12 @@ def test_a_launch_hook_takes_the_ordinary_path(jit, monkeypatch):
     chain.add(lambda metadata: None)  # a profiler's
     monkeypatch.setattr(launch.knobs.runtime, "launch_enter_hook", chain)
     run((1,), [x, 32], {"BLOCK": 16, "FLAG": True}, 4, 2)
+    assert [e[0] for e in jit.log] == ["jit", "jit"]
+
+
+def test_constexprs_are_keyed_by_name_not_position(jit):
+    run = launch.DirectLaunch(jit)
+    x = torch.zeros(64)
+    run((1,), [x, 32], {"BLOCK": 16, "FLAG": 32}, 4, 2)
+    run((1,), [x, 32], {"FLAG": 16, "BLOCK": 32}, 4, 2)  # the same values under the other names
     assert [e[0] for e in jit.log] == ["jit", "jit"]
