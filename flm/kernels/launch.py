@@ -4,8 +4,11 @@ A launch through `kernel[grid](...)` binds every argument to the kernel's signat
 (each int's being 1 or a multiple of 16, each pointer's 16-byte alignment) before it finds the compiled kernel: for the
 fused attention's ~50 arguments, most of the forward's host time. `DirectLaunch` keys the compiled kernel on the same
 properties, computed in one pass, and calls its launcher. The first call for a key, a profiler's launch hook, or a
-Triton without these internals take the ordinary path.
+Triton without these internals take the ordinary path; a launcher that refuses the arguments (another Triton's) turns
+direct launches off for good, with a warning.
 """
+
+import warnings
 
 import torch
 import triton
@@ -52,19 +55,32 @@ class DirectLaunch:
     def __init__(self, fn: triton.JITFunction):
         self.fn = fn
         self.compiled: dict[tuple, tuple] = {}  # key -> (compiled kernel, constexpr values in signature order)
+        self.disabled: str | None = None  # why direct launches stopped, if they did
 
     def __call__(self, grid, args: list, constexprs: dict, num_warps: int, num_stages: int) -> None:
         device = torch.cuda.current_device()
         key = (specialization(args), *constexprs.items(), num_warps, num_stages, device)
-        entry = self.compiled.get(key) if knobs is not None else None
+        usable = knobs is not None and self.disabled is None
+        entry = self.compiled.get(key) if usable else None
         if entry is None or _hooked():
             kernel = self.fn[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
             names = self.fn.arg_names
-            if entry is None and knobs is not None and sorted(names[len(args) :]) == sorted(constexprs):
+            if entry is None and usable and sorted(names[len(args) :]) == sorted(constexprs):
                 self.compiled[key] = (kernel, tuple(constexprs[n] for n in names[len(args) :]))
             return
         kernel, tail = entry
         stream = triton.runtime.driver.active.get_current_stream(device)
         g1 = grid[1] if len(grid) > 1 else 1
         g2 = grid[2] if len(grid) > 2 else 1
-        kernel.run(grid[0], g1, g2, stream, kernel.function, kernel.packed_metadata, None, None, None, *args, *tail)
+        try:
+            kernel.run(grid[0], g1, g2, stream, kernel.function, kernel.packed_metadata, None, None, None, *args, *tail)
+        except (TypeError, ValueError, AttributeError) as err:  # a Triton whose launcher takes other arguments
+            self.compiled.clear()
+            self.disabled = f"{type(err).__name__}: {err}"
+            name = getattr(self.fn, "__name__", "a Triton kernel")
+            warnings.warn(
+                f"launching {name} directly failed ({self.disabled}); Triton {triton.__version__} launches it from now "
+                "on, at its usual host cost",
+                stacklevel=2,
+            )
+            self.fn[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)

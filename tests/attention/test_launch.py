@@ -93,3 +93,17 @@ def test_constexprs_are_keyed_by_name_not_position(jit):
     run((1,), [x, 32], {"BLOCK": 16, "FLAG": 32}, 4, 2)
     run((1,), [x, 32], {"FLAG": 16, "BLOCK": 32}, 4, 2)  # the same values under the other names
     assert [e[0] for e in jit.log] == ["jit", "jit"]
+
+
+def test_a_launcher_that_refuses_the_arguments_turns_direct_launches_off(jit):
+    def refuses(*args):
+        raise TypeError("function takes exactly 12 arguments")
+
+    run = launch.DirectLaunch(jit)
+    x = torch.zeros(64)
+    run((1,), [x, 32], {"BLOCK": 16, "FLAG": True}, 4, 2)
+    next(iter(run.compiled.values()))[0].run = refuses
+    with pytest.warns(UserWarning, match="launching .* directly failed .*takes exactly 12 arguments"):
+        run((1,), [x, 32], {"BLOCK": 16, "FLAG": True}, 4, 2)
+    run((1,), [x, 32], {"BLOCK": 16, "FLAG": True}, 4, 2)
+    assert [e[0] for e in jit.log] == ["jit", "jit", "jit"] and run.compiled == {}
