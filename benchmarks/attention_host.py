@@ -28,11 +28,9 @@ from flm.kernels.attention_fwd import attention_fwd
 CHAIN = 12  # a DiT-B's depth
 
 
-class _OwnLaunch:
+def _own_launch(grid, args, constexprs, num_warps, num_stages):
     """Triton's own launch, `kernel[grid](...)`, in place of flm.kernels.launch.DirectLaunch."""
-
-    def __call__(self, grid, args, constexprs, num_warps, num_stages):
-        kernels._fwd_kernel[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
+    kernels._fwd_kernel[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
 
 
 class _Autotuned(dict):
@@ -84,9 +82,8 @@ def layers(d: int, n: int, heads: int = 16, bh: int = 64):
     fused_attend = lambda x: fa.jvp_attention(x, kg, vg, tq, tk, tv)[0]  # noqa: E731
     sdpa_attend = lambda x: sdpa(x, kg, vg)  # noqa: E731
 
-    def former(replacement):
-        """attention_fwd with one of the former launch paths swapped back in."""
-        name = "_fwd_launch" if isinstance(replacement, _OwnLaunch) else "_TUNED"
+    def former(name, replacement):
+        """attention_fwd with one of the former launch paths swapped back in for flm.kernels.attention_fwd's `name`."""
         kept = getattr(kernels, name)
         setattr(kernels, name, replacement)
         try:
@@ -99,8 +96,10 @@ def layers(d: int, n: int, heads: int = 16, bh: int = 64):
         "fwd: attention_fwd (the kernel launch and its allocations)": lambda: attention_fwd(
             q, k, v, tq, tk, tv, causal=False, scale=scale
         ),
-        "fwd: attention_fwd, Triton's own launch of the tuned config (the former path)": lambda: former(_OwnLaunch()),
-        "fwd: attention_fwd through the autotuner (the former path)": lambda: former(_Autotuned()),
+        "fwd: attention_fwd, Triton's own launch of the tuned config (the former path)": lambda: former(
+            "_fwd_launch", _own_launch
+        ),
+        "fwd: attention_fwd through the autotuner (the former path)": lambda: former("_TUNED", _Autotuned()),
         "fwd: triton_jvp.jvp_attention (+ autograd.Function)": lambda: triton_jvp.jvp_attention(
             qg, kg, vg, tq, tk, tv, causal=False, scale=scale
         ),

@@ -640,7 +640,8 @@ def attention_fwd(
         CAUSAL=causal,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )
-    if interpreted():
+    interpreter = interpreted()
+    if interpreter:
         config = (16, 16, 4, 1)
     tune_key = None
     if config is None:  # the autotuner's key (its key names and the inputs' dtypes)
@@ -649,7 +650,7 @@ def attention_fwd(
     if config is not None:
         bm, bn, warps, stages = config
         grid = (-(-lq // bm), b * h)
-        if interpreted():
+        if interpreter:
             _fwd_kernel[grid](*args, **meta, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
         else:
             _fwd_launch(grid, args, {**meta, "BLOCK_M": bm, "BLOCK_N": bn}, warps, stages)
