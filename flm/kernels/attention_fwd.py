@@ -35,6 +35,8 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from triton.compiler.errors import CompileTimeAssertionFailure
+from triton.runtime.errors import OutOfResources, PTXASError
 
 from flm.kernels.launch import DirectLaunch
 
@@ -490,12 +492,16 @@ _BIAS_FALLBACK = (64, 32, 4, 2)
 _ALL = sorted({c for cs in _CANDIDATES.values() for c in cs} | {_BIAS_FALLBACK})
 
 
+def candidates(tile_width: int, biased: bool) -> list[tuple[int, int, int, int]]:
+    """The (BLOCK_M, BLOCK_N, num_warps, num_stages) to try for a tile width (BLOCK_D + BLOCK_D_REM), in order,
+    with the bias fallback last when there is a bias or a mask."""
+    wanted = _CANDIDATES[min(w for w in _CANDIDATES if w >= tile_width)]
+    return [*wanted, _BIAS_FALLBACK] if biased else list(wanted)
+
+
 def _prune(configs, named_args, **meta):
-    """The candidates for this head dim's tile width, plus the bias fallback."""
-    width = meta["BLOCK_D"] + meta["BLOCK_D_REM"]
-    wanted = _CANDIDATES[min(w for w in _CANDIDATES if w >= width)]
-    if meta["HAS_BIAS"] or meta["HAS_MASK"]:
-        wanted = [*wanted, _BIAS_FALLBACK]
+    """The autotuner's configs for this head dim's tile width, plus the bias fallback."""
+    wanted = candidates(meta["BLOCK_D"] + meta["BLOCK_D_REM"], meta["HAS_BIAS"] or meta["HAS_MASK"])
     return [c for c in configs if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in wanted]
 
 
@@ -511,6 +517,30 @@ _fwd_tuned = triton.autotune(
 # per-call work (building its key from ~50 arguments; in cProfile about a fifth of the fused forward's host time)
 _TUNED: dict[tuple, tuple[int, int, int, int]] = {}
 _fwd_launch = DirectLaunch(_fwd_kernel)
+
+
+_UNFIT = (OutOfResources, PTXASError, CompileTimeAssertionFailure)
+
+
+def autotuning() -> bool:
+    """False when FLM_ATTENTION_AUTOTUNE=0: a new key takes its first candidate that fits, untimed. One compile per key
+    in place of one per candidate, for test suites that launch many keys once each (tests/conftest.py sets it); the
+    kernel's outputs do not depend on the config (tests/attention/test_triton_jvp_gpu.py checks every candidate)."""
+    return os.environ.get("FLM_ATTENTION_AUTOTUNE", "1") != "0"
+
+
+def first_that_fits(launch, configs):
+    """The first of `configs` that `launch(config)` compiles and runs within the GPU's resources (the errors for which
+    Triton's autotuner skips a config: shared memory, registers, a failed assembly); the last one's error when none
+    does."""
+    for i, config in enumerate(configs):
+        try:
+            launch(config)
+            return config
+        except _UNFIT:
+            if i == len(configs) - 1:
+                raise
+    raise ValueError("no launch configuration to try")
 
 
 def interpreted() -> bool:
@@ -654,6 +684,12 @@ def attention_fwd(
             _fwd_kernel[grid](*args, **meta, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
         else:
             _fwd_launch(grid, args, {**meta, "BLOCK_M": bm, "BLOCK_N": bn}, warps, stages)
+    elif not autotuning():
+
+        def launch(c):
+            _fwd_launch((-(-lq // c[0]), b * h), args, {**meta, "BLOCK_M": c[0], "BLOCK_N": c[1]}, c[2], c[3])
+
+        _TUNED[tune_key] = first_that_fits(launch, candidates(block_d + block_d_rem, has_bias or has_mask))
     else:
         grid = lambda cfg: (triton.cdiv(lq, cfg["BLOCK_M"]), b * h)  # noqa: E731
         _fwd_tuned[grid](*args, **meta)
@@ -664,4 +700,4 @@ def attention_fwd(
     return o, to if has_tangent else None, lse
 
 
-__all__ = ["attention_fwd", "check_head_dim", "split_head_dim", "interpreted", "SUPPORTED_HEAD_DIMS"]
+__all__ = ["attention_fwd", "autotuning", "candidates", "check_head_dim", "split_head_dim", "interpreted", "SUPPORTED_HEAD_DIMS"]

@@ -107,3 +107,33 @@ def test_a_launcher_that_refuses_the_arguments_turns_direct_launches_off(jit):
         run((1,), [x, 32], {"BLOCK": 16, "FLAG": True}, 4, 2)
     run((1,), [x, 32], {"BLOCK": 16, "FLAG": True}, 4, 2)
     assert [e[0] for e in jit.log] == ["jit", "jit", "jit"] and run.compiled == {}
+
+
+def test_untuned_keys_take_the_first_candidate_that_fits(monkeypatch):
+    """FLM_ATTENTION_AUTOTUNE=0: the first config whose launch compiles within the GPU's resources, skipping the ones
+    the autotuner would skip; when none fits, the last one's error."""
+    from triton.runtime.errors import OutOfResources
+
+    from flm.kernels import attention_fwd as kernels
+
+    tried = []
+
+    def launch(config):
+        tried.append(config)
+        if config[0] > 64:
+            raise OutOfResources(240_000, 232_448, "shared memory")
+
+    assert kernels.first_that_fits(launch, [(128, 64, 8, 4), (64, 64, 4, 3), (64, 32, 4, 2)]) == (64, 64, 4, 3)
+    assert tried == [(128, 64, 8, 4), (64, 64, 4, 3)]
+    with pytest.raises(OutOfResources):
+        kernels.first_that_fits(launch, [(128, 64, 8, 4), (128, 32, 8, 4)])
+    with pytest.raises(ZeroDivisionError):  # any other error is the caller's
+        kernels.first_that_fits(lambda c: 1 / 0, [(64, 64, 4, 3), (64, 32, 4, 2)])
+
+    assert kernels.candidates(80, False) == kernels._CANDIDATES[80]
+    assert kernels.candidates(72 + 8, True) == [*kernels._CANDIDATES[80], kernels._BIAS_FALLBACK]
+    assert kernels.candidates(192, False) == kernels._CANDIDATES[256]
+    monkeypatch.setenv("FLM_ATTENTION_AUTOTUNE", "0")
+    assert not kernels.autotuning()
+    monkeypatch.delenv("FLM_ATTENTION_AUTOTUNE")
+    assert kernels.autotuning()

@@ -336,3 +336,71 @@ def test_direct_launches_give_tritons_own_launch_outputs(monkeypatch):
         assert rel_err(direct[0], ref_o) < TOL[torch.bfloat16] and rel_err(direct[1], ref_to) < TOL[torch.bfloat16]
     assert all(torch.equal(a, b) for a, b in zip(first[(256, 0)], own))  # the repeated case, direct both times
     assert len(launcher.compiled) == 3
+
+
+# every launch configuration a head dim can get, tuned or not: (head dim, its tile width's candidates, biased)
+_CONFIG_CASES = [(d, biased) for d in (64, 72, 96, 128, 192) for biased in (False, True)]
+
+
+@pytest.mark.parametrize("case", _CONFIG_CASES, ids=[f"d{d}" + ("-bias+mask" if b else "") for d, b in _CONFIG_CASES])
+def test_every_candidate_config_gives_the_jvp(case):
+    """Each candidate the autotuner may pick (or FLM_ATTENTION_AUTOTUNE=0 takes first) computes o, its tangent and
+    the log-sum-exp: the test suite itself runs untuned (tests/conftest.py), so this is where the other configs
+    are checked. A config that does not fit this GPU is skipped, as the autotuner skips it."""
+    from flm.kernels import attention_fwd as kernels
+
+    d, biased = case
+    block_d, block_d_rem = kernels.split_head_dim(d)
+    q, k, v, tq, tk, tv, bias, tbias, mask = _bias_inputs(
+        2, 2, 333, 333, d, (1, 2, 333, 333) if biased else None, biased, torch.bfloat16
+    )
+    o_ref, to_ref = jvp64(q, k, v, tq, tk, tv, causal=False, bias=bias, tbias=tbias, key_padding_mask=mask)
+    lse_ref = torch.logsumexp(
+        (q.double() @ k.double().transpose(-1, -2)) * d**-0.5
+        + (0 if bias is None else bias.double())
+        + (0 if mask is None else torch.where(mask[:, None, None, :], 0.0, float("-inf")).double()),
+        dim=-1,
+    )
+    ran = 0
+    for config in kernels.candidates(block_d + block_d_rem, biased):
+        try:
+            o, to, lse = kernels.attention_fwd(
+                q,
+                k,
+                v,
+                tq,
+                tk,
+                tv,
+                causal=False,
+                scale=d**-0.5,
+                config=config,
+                bias=bias,
+                bias_tangent=tbias,
+                key_padding_mask=mask,
+            )
+        except kernels._UNFIT:
+            continue
+        ran += 1
+        assert rel_err(o, o_ref) < TOL[torch.bfloat16], config
+        assert rel_err(to, to_ref) < TOL[torch.bfloat16], config
+        assert rel_err(lse, lse_ref) < 1e-3, config
+    assert ran > 0
+
+
+def test_untuned_and_tuned_keys_pick_a_candidate(monkeypatch):
+    """FLM_ATTENTION_AUTOTUNE=0 (the test suite's setting) records the first candidate that fits, untimed; with it
+    unset the autotuner records its choice among the same candidates. Both give the same outputs."""
+    from flm.kernels import attention_fwd as kernels
+
+    q, k, v, tq, tk, tv = _qkv(2, 4, 640, 640, 64, torch.bfloat16, seed=5)
+    picks, outputs = [], []
+    for tune in ("0", "1"):
+        monkeypatch.setenv("FLM_ATTENTION_AUTOTUNE", tune)
+        monkeypatch.setattr(kernels, "_TUNED", {})
+        outputs.append(kernels.attention_fwd(q, k, v, tq, tk, tv, causal=False, scale=0.125))
+        assert len(kernels._TUNED) == 1
+        picks.append(next(iter(kernels._TUNED.values())))
+    assert picks[0] == kernels.candidates(64, False)[0]
+    assert picks[1] in kernels.candidates(64, False)
+    for untuned, tuned in zip(*outputs):
+        assert rel_err(untuned, tuned) < TOL[torch.bfloat16]
