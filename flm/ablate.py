@@ -34,6 +34,7 @@ from omegaconf import DictConfig, OmegaConf
 from flm import dist
 from flm.attention import BACKENDS
 from flm.data import DataConfig, Loader
+from flm.log import read_metrics
 from flm.models import MODEL_SIZES, build_model
 from flm.objectives.jvp import record_tangents
 from flm.train import checkpoint, train
@@ -132,8 +133,7 @@ def train_with(
         trained = Trained(bundle["model_args"], bundle["model"], bundle["objective"])
     shutil.rmtree(os.path.join(run_dir, "checkpoints"), ignore_errors=True)  # weights are not what we compare
 
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        records = [json.loads(line) for line in f]
+    records = read_metrics(run_dir)
     curve = "mse" if "mse" in records[0] else "loss"  # MeanFlow's adaptive-weighted loss stays near 1
     median_ms = statistics.median([r["step_ms"] for r in records][warmup:] or [r["step_ms"] for r in records])
     result = Result(

@@ -70,6 +70,22 @@ def drop_after(path: str, step: int) -> None:
         write_atomically(path, write)
 
 
+def read_metrics(run_dir: str) -> list[dict]:
+    """The records of run_dir/metrics.jsonl, one per logged step (a last line cut off by a kill is left out)."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no metrics.jsonl in {run_dir!r}: expected a train.py run folder (its run_dir)")
+    records = []
+    with open(path) as f:
+        for line in f:
+            try:
+                records.append(json.loads(line))
+            except ValueError:
+                if line.endswith("\n"):  # a damaged line inside the file, not a last line cut off
+                    raise ValueError(f"{path}: a line is not JSON: {line[:80]!r}") from None
+    return records
+
+
 def _step_of(line: str) -> float:
     try:
         return json.loads(line)["step"]

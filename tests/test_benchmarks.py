@@ -394,3 +394,42 @@ def test_scm_bf16_gap_takes_the_tangent_of_the_loss_and_bins_by_time():
     lines = gap.table(found, edges=(0.0, 0.8, 1.58))
     counts = [int(line.split("|")[2]) for line in lines[2:]]
     assert counts == [int((found["t"] < 0.8).sum()), int((found["t"] >= 0.8).sum())]
+
+
+def _run(folder, values, step0=1, metric="mse"):
+    folder.mkdir()
+    lines = [json.dumps({"step": step0 + i, "loss": 1.0, metric: v, "step_ms": 5.0}) for i, v in enumerate(values)]
+    (folder / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    return str(folder)
+
+
+def test_compare_runs_agrees_within_noise_and_flags_drift(tmp_path, capsys):
+    compare_runs = load("compare_runs")
+    g = torch.Generator().manual_seed(0)
+    base = [1.0 / (1 + 0.1 * i) for i in range(40)]
+    noisy = [v * (1 + 0.01 * float(torch.randn((), generator=g))) for v in base]
+    ref, close = _run(tmp_path / "ref", base), _run(tmp_path / "close", noisy)
+    assert compare_runs.main([close, ref]) == 0
+    out = capsys.readouterr().out
+    assert "mse of" in out and "40 common logged steps (1..40)" in out and "| agree |" in out
+    far = _run(tmp_path / "far", [v * 1.5 for v in base])
+    assert compare_runs.main([far, ref]) == 1
+    assert "| DRIFT |" in capsys.readouterr().out
+    assert compare_runs.main([far, ref, "--metric", "loss"]) == 0  # both logged loss 1.0 at every step
+    shifted = _run(tmp_path / "shifted", base, step0=1000)
+    with pytest.raises(SystemExit, match="no common step"):
+        compare_runs.main([shifted, ref])
+    with pytest.raises(SystemExit, match="no metrics.jsonl in"):
+        compare_runs.main([str(tmp_path / "missing"), ref])
+    with pytest.raises(SystemExit, match="logged no 'fid'"):
+        compare_runs.main([close, ref, "--metric", "fid"])
+
+
+def test_read_metrics_drops_a_last_line_cut_off_and_refuses_a_damaged_one(tmp_path):
+    from flm.log import read_metrics
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "lo')
+    assert read_metrics(str(tmp_path)) == [{"step": 1, "loss": 2.0}]
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "lo\n{"step": 2, "loss": 2.0}\n')
+    with pytest.raises(ValueError, match="a line is not JSON"):
+        read_metrics(str(tmp_path))
