@@ -48,6 +48,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton kernels on the CPU (before triton loads)
 
+from flm import nn as fnn
 from flm.models import build_model
 from flm.objectives import build_objective
 from flm.train.graphs import GraphedStep
@@ -102,6 +103,11 @@ def parse_args(argv=None):
         "compile:MODE passes torch.compile's mode, e.g. compile:reduce-overhead (CUDA graphs over the compiled code)",
     )
     p.add_argument("--profile", action="store_true", help="print torch.profiler's top kernels for each row")
+    p.add_argument(
+        "--count-ops",
+        action="store_true",
+        help="an 'aten ops' column: the aten ops one eager step dispatches (casts in brackets), what its host time scales with",
+    )
     p.add_argument("--tiny", action="store_true", help="CPU smoke check: DiT-T/2, 16 tokens, fp32, 2 steps")
     args = p.parse_args(argv)
     from flm.train.settings import COMPILE_MODES
@@ -173,7 +179,7 @@ def build_step(model_name, tokens, objective_name, backend, mode, execution, arg
     def loss_and_backward(x, y, phase=None):
         if compile_mode == "reduce-overhead":
             torch.compiler.cudagraph_mark_step_begin()  # the next replay overwrites this one's outputs
-        with autocast:
+        with autocast, fnn.cast_cache():  # as the training loop: one cast of each parameter per loss
             phase_arg = {} if phase is None else {"phase": phase}
             loss, metrics = objective_loss(model, x, y, step=step_arg, **phase_arg, **networks)
         loss = sum(loss.values()) if isinstance(loss, dict) else loss  # {network: loss}: each touches its own
@@ -214,7 +220,7 @@ class Row:
     times --iters steps."""
 
     def __init__(self, config, args, device, dtype):
-        self.config, self.ms, self.host, self.step, self.peak = config, [], [], None, None
+        self.config, self.ms, self.host, self.step, self.peak, self.ops = config, [], [], None, None, None
         self.batch = max(1, args.batch_tokens // config[1])
         before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         if device.type == "cuda":
@@ -234,6 +240,8 @@ class Row:
             self.peak = float("nan")
         if args.profile:
             _profile(self.step, device)
+        if args.count_ops and config[-1] == "eager":
+            self.ops = count_ops(self.step)
 
     def time(self, args, device) -> None:
         ms, host = timed(self.step, args.iters, device)
@@ -245,6 +253,23 @@ class Row:
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def count_ops(step) -> tuple[int, int]:
+    """(aten ops, of which dtype casts) that one step dispatches, optimizer included."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        ops = casts = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops += 1
+            self.casts += func.overloadpacket is torch.ops.aten._to_copy
+            return func(*args, **(kwargs or {}))
+
+    with Count() as counter:
+        step(0)
+    return counter.ops, counter.casts
 
 
 def _profile(step, device, rows: int = 12):
@@ -281,7 +306,7 @@ def _ratio(a, b):
     return "-" if a is None or b is None or not (b > 0) or math.isnan(a) else f"{a / b:.2f}x"
 
 
-def table_line(row: Row, fm: dict, with_range: bool = False) -> str:
+def table_line(row: Row, fm: dict, with_range: bool = False, count_ops: bool = False) -> str:
     """The row's table line (printed); fm collects the flow-matching rows that later rows are set against."""
     model_name, tokens, objective, backend, mode, execution = row.config
     ms = None if row.peak is None else statistics.median(row.ms)
@@ -305,6 +330,7 @@ def table_line(row: Row, fm: dict, with_range: bool = False) -> str:
         _ratio(row.peak, base[1]),
         _ratio(ms, sdpa[0]),
         _ratio(row.peak, sdpa[1]),
+        *([("-" if row.ops is None else f"{row.ops[0]} ({row.ops[1]})")] if count_ops else []),
     ]
     line = "| " + " | ".join(cells) + " |"
     print(line, flush=True)
@@ -330,8 +356,11 @@ def main(argv=None):
         "",
         "| model | tokens x batch | exec | objective | attention | JVP mode | ms / step |"
         + (" ms range |" if args.rounds > 1 else "")
-        + " host ms | peak GiB | time / FM | mem / FM | time / FM sdpa | mem / FM sdpa |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if args.rounds > 1 else ""),
+        + " host ms | peak GiB | time / FM | mem / FM | time / FM sdpa | mem / FM sdpa |"
+        + (" aten ops (casts) |" if args.count_ops else ""),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+        + ("---|" if args.rounds > 1 else "")
+        + ("---|" if args.count_ops else ""),
     ]
     print("\n".join(header), flush=True)
     lines, fm, rows = list(header), {}, []
@@ -339,14 +368,14 @@ def main(argv=None):
         rows.append(Row(config, args, device, dtype))
         if args.rounds == 1:
             rows[-1].release(device)
-            lines.append(table_line(rows[-1], fm))
+            lines.append(table_line(rows[-1], fm, count_ops=args.count_ops))
     for _ in range(args.rounds - 1):
         for row in rows:
             if row.step is not None:
                 row.time(args, device)
     if args.rounds > 1:
         for row in rows:
-            lines.append(table_line(row, fm, with_range=True))
+            lines.append(table_line(row, fm, with_range=True, count_ops=args.count_ops))
     if args.out:
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         with open(args.out, "w") as f:

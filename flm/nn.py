@@ -26,6 +26,7 @@ JVP with torch.func.jvp over the plain ops (jvp_mode="func", flm.objectives.jvp)
 not the Function, decides what is saved.
 """
 
+import contextlib
 import inspect
 
 import torch
@@ -128,7 +129,43 @@ def _autocast(*tensors):
     if not torch.is_autocast_enabled(device):
         return tensors
     dtype = torch.get_autocast_dtype(device)
-    return tuple(None if t is None else t.to(dtype) for t in tensors)
+    return tuple(None if t is None else _cast(t, dtype) for t in tensors)
+
+
+_casts: dict | None = None  # inside cast_cache(): id(parameter) -> (parameter, its version, its cast)
+
+
+@contextlib.contextmanager
+def cast_cache(enabled: bool = True):
+    """Within it, a parameter is cast to the autocast dtype once and the cast reused until it changes in place (its
+    version), as torch.autocast caches the casts of its own ops within a region. A JVP objective's loss runs the
+    network two or three times (MeanFlow: the tangent's no-grad forward, the r = t forward, the dual forward), and the
+    casts of every weight and bias, one kernel each and again for their gradients, were a quarter of the aten ops of
+    an eager MeanFlow step (docs/train_step.md). A parameter's uses then share one cast: their gradients add up in the
+    autocast dtype before the one cast back, as under torch.autocast's own cache. The training loop opens it around
+    each loss (not under FSDP2, whose parameters are re-gathered for every forward); nested calls share the outer
+    cache."""
+    global _casts
+    if not enabled or _casts is not None:
+        yield
+        return
+    _casts = {}
+    try:
+        yield
+    finally:
+        _casts = None
+
+
+def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if _casts is None or t.dtype == dtype or not isinstance(t, nn.Parameter) or torch.is_inference_mode_enabled():
+        return t.to(dtype)
+    hit = _casts.get(id(t))
+    if hit is not None and hit[0] is t and hit[1] == t._version and hit[2].dtype == dtype:
+        return hit[2]
+    with torch.enable_grad():  # made in a no-grad forward, it still carries the gradient of a later one
+        cast = t.to(dtype)
+    _casts[id(t)] = (t, t._version, cast)
+    return cast
 
 
 # --------------------------------------------------------------------------------------------

@@ -190,6 +190,23 @@ def test_train_step_interleaves_rounds(capsys):
         train_step.parse_args(["--rounds", "0"])
 
 
+def test_train_step_counts_the_aten_ops_of_an_eager_step(capsys):
+    """--count-ops: an eager row gets the aten ops one step dispatches (MeanFlow's dual pass more than flow matching's
+    plain one); a graphed row, which replays one graph, gets none."""
+    train_step = load("train_step")
+    argv = ["--tiny", "--objectives", "flow_matching,meanflow", "--backends", "math", "--modes", "dual", "--count-ops"]
+    train_step.main([*argv, "--no-sdpa-baseline"])
+    out = capsys.readouterr().out
+    assert "| aten ops (casts) |" in out
+    rows = {
+        row[4].strip(): row[-2].strip() for row in (line.split("|") for line in out.splitlines() if line.startswith("| DiT-T/2"))
+    }
+    (fm_ops, fm_casts), (mf_ops, _) = (
+        map(int, rows[k].replace("(", "").replace(")", "").split()) for k in ("flow_matching", "meanflow")
+    )
+    assert mf_ops > fm_ops > 100 and fm_casts == 0  # fp32: no autocast, no casts
+
+
 def test_host_time_times_every_layer_and_step(capsys):
     load("host_time").main(["--depth", "2", "--calls", "5", "--steps", "2", "--repeats", "1"])
     rows = [line.split("|") for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "---" not in line]

@@ -170,3 +170,70 @@ def test_signed_binds_like_inspect():
     with pytest.raises(TypeError):
         sig.bind(x, 1.0, 2.0, 3.0)
     assert torch.equal(F.apply(x, 2.0), x * 2) and torch.equal(F.apply(x, 2.0, 1.0), x * 2 + 1)
+
+
+def test_cast_cache_casts_each_parameter_once_per_version():
+    """Inside cast_cache a parameter's autocast cast is made once and reused, as torch.autocast's own cache does:
+    by a no-grad forward and then a grad one (the gradient still reaches the parameter), until the parameter
+    changes in place. Tensors that are not parameters, inference mode, and code outside the context cast anew."""
+    lin = fnn.Linear(D, O)
+    x = torch.randn(B, N, D)
+    bf16 = torch.bfloat16
+    with torch.autocast("cpu", dtype=bf16):
+        assert fnn._cast(lin.weight, bf16) is not fnn._cast(lin.weight, bf16)  # no cache outside the context
+        with fnn.cast_cache():
+            with torch.no_grad():
+                first = fnn._cast(lin.weight, bf16)
+            assert first.grad_fn is not None  # made for a later forward's gradient too
+            assert fnn._cast(lin.weight, bf16) is first
+            with fnn.cast_cache():  # a nested context shares the outer one's casts
+                assert fnn._cast(lin.weight, bf16) is first
+            plain = torch.randn(O, D)
+            assert fnn._cast(plain, bf16) is not fnn._cast(plain, bf16)
+            with torch.inference_mode():
+                assert fnn._cast(lin.weight, bf16) is not first
+            lin(x).float().sum().backward()
+            assert lin.weight.grad is not None and lin.bias.grad is not None
+            with torch.no_grad():
+                lin.weight.add_(1.0)  # an in-place change: a new version, a new cast
+            again = fnn._cast(lin.weight, bf16)
+            assert again is not first and torch.equal(again, lin.weight.to(bf16))
+        assert fnn._casts is None
+        assert fnn._cast(lin.weight, bf16) is not fnn._cast(lin.weight, bf16)
+
+
+def test_cast_cache_gives_the_uncached_gradients_of_a_meanflow_step():
+    """MeanFlow with the model's tangent and the JVP on the r != t samples runs the network three times per loss; with
+    shared casts its gradients add up in bf16 before the one cast back (torch.autocast's own semantics), so they match
+    the uncached ones to bf16 rounding. And the step issues fewer casts."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from flm.models import DiT
+    from flm.objectives import build_objective
+
+    class Casts(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Casts.n += func.overloadpacket.__name__ == "_to_copy"
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    model = DiT(input_size=8, in_channels=1, patch_size=2, hidden_size=32, depth=2, num_heads=1, num_classes=10,
+                time_inputs=2, attention="math", prediction="data")  # fmt: skip
+    objective = build_objective("meanflow", jvp_subset=True, tangent="model", r_neq_t=0.5)
+    x, y = torch.randn(8, 1, 8, 8), torch.randint(0, 10, (8,))
+    grads, casts = [], []
+    for cached in (False, True):
+        model.zero_grad()
+        torch.manual_seed(1)
+        Casts.n = 0
+        with Casts(), torch.autocast("cpu", dtype=torch.bfloat16), fnn.cast_cache(cached):
+            loss, _ = objective.loss(model, x, y)
+        loss.backward()
+        grads.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
+        casts.append(Casts.n)
+    assert len(grads[0]) == len(grads[1]) > 0
+    for a, b in zip(*grads):
+        assert torch.allclose(a, b, rtol=2e-2, atol=1e-2 * b.abs().max().item() + 1e-8)
+    assert casts[1] < casts[0]

@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from flm import dist
+from flm import nn as fnn
 from flm.data import DataConfig, Loader, mix_seed
 from flm.files import lock_folder, unlock_folder
 from flm.latents import Decoder, LatentFiles, reference_source
@@ -366,10 +367,13 @@ def train(
     # reduce-overhead replays CUDA graphs whose outputs the next replay overwrites: each call starts a new step
     marks_steps = trainer.compile and trainer.compile_mode == "reduce-overhead"
 
+    # one cast of each parameter per loss (flm.nn.cast_cache); FSDP2 gathers its parameters anew for every forward
+    casts_shared = not (trainer.parallel == "fsdp" and dist.world_size() > 1)
+
     def loss_and_backward(x, y, step, phase=None):
         if marks_steps:
             torch.compiler.cudagraph_mark_step_begin()
-        with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None), fnn.cast_cache(casts_shared):
             phase_arg = {} if phase is None else {"phase": phase}
             step = to_device(torch.tensor(step), device) if compiled and isinstance(step, int) else step
             loss, extra = objective_loss(state.wrapped, x, y, step=step, **phase_arg, **state.extras)
