@@ -109,6 +109,9 @@ def parse_args(argv=None):
         help="an 'aten ops' column: the aten ops one eager step dispatches (casts in brackets), what its host time scales with",
     )
     p.add_argument("--tiny", action="store_true", help="CPU smoke check: DiT-T/2, 16 tokens, fp32, 2 steps")
+    p.add_argument(
+        "--bf16", action="store_true", help="bf16 autocast on the CPU too: --count-ops as on a GPU (CPU bf16 times mean little)"
+    )
     args = p.parse_args(argv)
     from flm.train.settings import COMPILE_MODES
 
@@ -340,7 +343,7 @@ def table_line(row: Row, fm: dict, with_range: bool = False, count_ops: bool = F
 def main(argv=None):
     args = parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.float32 if args.tiny or device.type == "cpu" else torch.bfloat16
+    dtype = torch.bfloat16 if args.bf16 or not (args.tiny or device.type == "cpu") else torch.float32
     import triton
 
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (Triton interpreter)"

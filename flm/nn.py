@@ -112,11 +112,15 @@ def scaled(x: torch.Tensor, scale: float) -> torch.Tensor:
     return x * joins(torch.full((), scale, dtype=x.dtype, device=x.device), x)
 
 
-def _affine(x_hat, weight, bias):
-    """x_hat * weight + bias, either optional (broadcast against x_hat)."""
+def _affine(x_hat, weight, bias, dtype=None):
+    """x_hat * weight + bias, either optional (broadcast against x_hat); written in `dtype` by the same kernel when
+    given (what a matmul after it would cast it to under autocast)."""
+    out = None if dtype is None else torch.empty(x_hat.shape, dtype=dtype, device=x_hat.device)
     if weight is not None:
-        return torch.addcmul(bias, x_hat, weight) if bias is not None else x_hat * weight
-    return x_hat if bias is None else x_hat + bias
+        return torch.addcmul(bias, x_hat, weight, out=out) if bias is not None else torch.mul(x_hat, weight, out=out)
+    if bias is not None:
+        return torch.add(x_hat, bias, out=out)
+    return x_hat if dtype is None else x_hat.to(dtype)
 
 
 def _plain_layer_norm(x, weight, bias, eps):
@@ -239,15 +243,16 @@ def _ln_vjp(g, x, mean, rstd):
 
 @signed
 class _LayerNorm(torch.autograd.Function):
-    # forward also returns mean and rstd (non-differentiable) so that backward and jvp reuse them
+    # forward also returns mean and rstd (non-differentiable) so that backward and jvp reuse them; out_dtype: the
+    # output's dtype (None: the affine's own), written by the affine's kernel
     @staticmethod
-    def forward(x, weight, bias, eps, one_plus):
+    def forward(x, weight, bias, eps, one_plus, out_dtype):
         x_hat, mean, rstd = torch.native_layer_norm(x, (x.shape[-1],), None, None, eps)
-        return _affine(x_hat, _affine_weight(weight, one_plus), bias), mean, rstd
+        return _affine(x_hat, _affine_weight(weight, one_plus), bias, out_dtype), mean, rstd
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, weight, bias, eps, one_plus = inputs
+        x, weight, bias, eps, one_plus, _ = inputs
         weight = _affine_weight(weight, one_plus)  # the tangent and gradient of 1 + s are those of s
         _, mean, rstd = output
         ctx.set_materialize_grads(False)
@@ -257,7 +262,7 @@ class _LayerNorm(torch.autograd.Function):
         _save(ctx, x, mean, rstd, weight)
 
     @staticmethod
-    def jvp(ctx, tx, tweight, tbias, _eps, _one_plus):
+    def jvp(ctx, tx, tweight, tbias, _eps, _one_plus, _out_dtype):
         x, mean, rstd, weight = ctx.saved_tensors
         with torch.no_grad():
             # ty = (dx_hat/dx) tx * weight + x_hat * tweight + tbias, in few kernels
@@ -266,23 +271,31 @@ class _LayerNorm(torch.autograd.Function):
                 out = torch.addcmul(out, (x - mean) * rstd, tweight)
             if tx is not None:
                 jx = _ln_vjp(tx, x, mean, rstd)
-                out = jx + out if weight is None else torch.addcmul(out, jx, weight)
+                if weight is None:
+                    out = jx + out
+                else:  # the last kernel writes the output's dtype
+                    out = torch.addcmul(out, jx, weight, out=torch.empty(x.shape, dtype=ctx.out_dtype, device=x.device))
             return out.to(ctx.out_dtype).expand(x.shape).contiguous(), None, None
 
     @staticmethod
     def backward(ctx, gy, _gmean, _grstd):
         x, mean, rstd, weight = ctx.saved_tensors
         if gy is None:
-            return None, None, None, None, None
+            return None, None, None, None, None, None
         gx = gw = gb = None
-        if ctx.needs_input_grad[0]:
-            gx = _ln_vjp(gy if weight is None else (gy * weight).to(x.dtype), x, mean, rstd)
+        if ctx.needs_input_grad[0]:  # (the product in x's dtype: gy may be the lower out_dtype)
+            g = (
+                gy.to(x.dtype)
+                if weight is None
+                else torch.mul(gy, weight, out=torch.empty(gy.shape, dtype=x.dtype, device=x.device))
+            )
+            gx = _ln_vjp(g, x, mean, rstd)
         if weight is not None and ctx.needs_input_grad[1]:
             gw = _sum_to(gy * ((x - mean) * rstd), weight)
         if ctx.bias_meta is not None and ctx.needs_input_grad[2]:
             shape, dtype = ctx.bias_meta
             gb = gy.sum_to_size(shape).to(dtype)
-        return gx, gw, gb, None, None
+        return gx, gw, gb, None, None, None
 
 
 def _affine_weight(weight, one_plus: bool):
@@ -296,19 +309,29 @@ def layer_norm(x, weight=None, bias=None, eps: float = 1e-6) -> torch.Tensor:
     """
     if _compiling():
         return _plain_layer_norm(x, weight, bias, eps)
-    return _LayerNorm.apply(x, weight, bias, eps, False)[0]
+    return _LayerNorm.apply(x, weight, bias, eps, False, None)[0]
 
 
-def modulate(x, shift, scale, eps: float = 1e-6) -> torch.Tensor:
+def modulate(x, shift, scale, eps: float = 1e-6, dtype: torch.dtype | None = None) -> torch.Tensor:
     """DiT's adaLN: layer_norm(x) * (1 + scale) + shift, with shift and scale (B, 1, D) per sample.
 
     Same as layer_norm(x, 1 + scale, shift), with the `1 +` inside the Function: under forward-mode AD an
     op between a dual tensor and a plain number costs ~40x a plain op on the host (torch gives the
     number a zero tangent through its Python reference implementations), once per block and branch.
+    dtype: the output's (and its tangent's) dtype, written by the affine's own kernel; the DiT passes the dtype of
+    the matmul that follows (`matmul_dtype`), which saves that matmul's cast of the output, of its tangent and of
+    their gradient.
     """
     if _compiling():
-        return _plain_layer_norm(x, 1 + scale, shift, eps)
-    return _LayerNorm.apply(x, scale, shift, eps, True)[0]
+        y = _plain_layer_norm(x, 1 + scale, shift, eps)
+        return y if dtype is None else y.to(dtype)
+    return _LayerNorm.apply(x, scale, shift, eps, True, dtype)[0]
+
+
+def matmul_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a matmul of x computes in: the autocast dtype when autocast is on for x's device, else x's own."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
 
 
 # --------------------------------------------------------------------------------------------

@@ -237,3 +237,30 @@ def test_cast_cache_gives_the_uncached_gradients_of_a_meanflow_step():
     for a, b in zip(*grads):
         assert torch.allclose(a, b, rtol=2e-2, atol=1e-2 * b.abs().max().item() + 1e-8)
     assert casts[1] < casts[0]
+
+
+def test_modulate_writes_the_matmul_dtype_in_its_own_kernels():
+    """modulate(..., dtype=bf16) gives what modulate(...).to(bf16) gives, output and tangent to the bit (the affine's
+    kernel rounds once, as the cast did) and gradients to bf16 rounding (its backward takes the bf16 gradient of the
+    matmul after it, which the cast's backward used to widen first)."""
+    r = _inputs(torch.float32)
+    x, shift, scale = r(B, N, D), r(B, 1, D).to(torch.bfloat16), r(B, 1, D).to(torch.bfloat16)
+    tx, tshift, tscale = torch.randn(B, N, D), torch.randn(B, 1, D).bfloat16(), torch.randn(B, 1, D).bfloat16()
+    w = torch.randn(O, D, dtype=torch.bfloat16)
+    outs = []
+    for fused in (True, False):
+        with forward_ad.dual_level():
+            duals = [forward_ad.make_dual(p, t) for p, t in ((x, tx), (shift, tshift), (scale, tscale))]
+            y = fnn.modulate(*duals, dtype=torch.bfloat16) if fused else fnn.modulate(*duals).to(torch.bfloat16)
+            primal, tangent = forward_ad.unpack_dual(y)
+        assert y.dtype == tangent.dtype == torch.bfloat16
+        grads = torch.autograd.grad((primal @ w.T).float().square().sum(), (x, shift, scale))
+        outs.append((primal, tangent, grads))
+    (p1, t1, g1), (p2, t2, g2) = outs
+    assert torch.equal(p1, p2) and torch.equal(t1, t2)
+    for a, b in zip(g1, g2):
+        assert a.dtype == b.dtype
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2 * b.abs().max().item())
+    assert fnn.matmul_dtype(x) == torch.float32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert fnn.matmul_dtype(x) == torch.bfloat16

@@ -155,8 +155,9 @@ class DiTBlock(nn.Module):
         # x (B, N, D); c_act = SiLU(conditioning) (B, D); each modulation (B, 1, D)
         mods = self.adaLN_modulation(c_act).unsqueeze(1).chunk(6, dim=-1)
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = mods
-        x = fnn.gated_residual(x, gate_msa, self.attn(fnn.modulate(x, shift_msa, scale_msa)))
-        x = fnn.gated_residual(x, gate_mlp, self.mlp(fnn.modulate(x, shift_mlp, scale_mlp)))
+        dtype = fnn.matmul_dtype(x)  # the dtype qkv and fc1 compute in: modulate writes it (no cast in between)
+        x = fnn.gated_residual(x, gate_msa, self.attn(fnn.modulate(x, shift_msa, scale_msa, dtype=dtype)))
+        x = fnn.gated_residual(x, gate_mlp, self.mlp(fnn.modulate(x, shift_mlp, scale_mlp, dtype=dtype)))
         return x
 
 
@@ -168,7 +169,7 @@ class FinalLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, c_act: torch.Tensor) -> torch.Tensor:
         shift, scale = self.adaLN_modulation(c_act).unsqueeze(1).chunk(2, dim=-1)
-        return self.linear(fnn.modulate(x, shift, scale))  # (B, N, p * p * C)
+        return self.linear(fnn.modulate(x, shift, scale, dtype=fnn.matmul_dtype(x)))  # (B, N, p * p * C)
 
 
 # --------------------------------------------------------------------------------------------
