@@ -144,11 +144,11 @@ def cast_cache(enabled: bool = True):
     """Within it, a parameter is cast to the autocast dtype once and the cast reused until it changes in place (its
     version), as torch.autocast caches the casts of its own ops within a region. A JVP objective's loss runs the
     network two or three times (MeanFlow: the tangent's no-grad forward, the r = t forward, the dual forward), and the
-    casts of every weight and bias, one kernel each and again for their gradients, were a quarter of the aten ops of
-    an eager MeanFlow step (docs/train_step.md). A parameter's uses then share one cast: their gradients add up in the
-    autocast dtype before the one cast back, as under torch.autocast's own cache. The training loop opens it around
-    each loss (not under FSDP2, whose parameters are re-gathered for every forward); nested calls share the outer
-    cache."""
+    casts of every weight and bias, one kernel each and again for their gradients, made most of the 1260 casts of the
+    MeanFlow preset's eager step (658 with this; docs/train_step.md). A parameter's uses then share one cast: their
+    gradients add up in the autocast dtype before the one cast back, as under torch.autocast's own cache. The training
+    loop opens it around each loss (not under FSDP2, whose parameters are re-gathered for every forward); nested calls
+    share the outer cache."""
     global _casts
     if not enabled or _casts is not None:
         yield
