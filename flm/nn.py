@@ -243,20 +243,22 @@ def _ln_vjp(g, x, mean, rstd):
 
 @signed
 class _LayerNorm(torch.autograd.Function):
-    # forward also returns mean and rstd (non-differentiable) so that backward and jvp reuse them; out_dtype: the
-    # output's dtype (None: the affine's own), written by the affine's kernel
+    # forward also returns mean and rstd, and the 1 + s it multiplies by with one_plus (non-differentiable), so that
+    # backward and jvp reuse them; out_dtype: the output's dtype (None: the affine's own), written by the affine's kernel
     @staticmethod
     def forward(x, weight, bias, eps, one_plus, out_dtype):
         x_hat, mean, rstd = torch.native_layer_norm(x, (x.shape[-1],), None, None, eps)
-        return _affine(x_hat, _affine_weight(weight, one_plus), bias, out_dtype), mean, rstd
+        w = _affine_weight(weight, one_plus)
+        return _affine(x_hat, w, bias, out_dtype), mean, rstd, w if one_plus else None
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         x, weight, bias, eps, one_plus, _ = inputs
-        weight = _affine_weight(weight, one_plus)  # the tangent and gradient of 1 + s are those of s
-        _, mean, rstd = output
+        _, mean, rstd, one_plus_weight = output
+        if one_plus:
+            weight = one_plus_weight  # the tangent and gradient of 1 + s are those of s
         ctx.set_materialize_grads(False)
-        ctx.mark_non_differentiable(mean, rstd)
+        ctx.mark_non_differentiable(*(t for t in (mean, rstd, one_plus_weight) if t is not None))
         ctx.bias_meta = None if bias is None else (bias.shape, bias.dtype)
         ctx.out_dtype = output[0].dtype
         _save(ctx, x, mean, rstd, weight)
@@ -275,10 +277,10 @@ class _LayerNorm(torch.autograd.Function):
                     out = jx + out
                 else:  # the last kernel writes the output's dtype
                     out = torch.addcmul(out, jx, weight, out=torch.empty(x.shape, dtype=ctx.out_dtype, device=x.device))
-            return out.to(ctx.out_dtype).expand(x.shape).contiguous(), None, None
+            return out.to(ctx.out_dtype).expand(x.shape).contiguous(), None, None, None
 
     @staticmethod
-    def backward(ctx, gy, _gmean, _grstd):
+    def backward(ctx, gy, _gmean, _grstd, _gweight):
         x, mean, rstd, weight = ctx.saved_tensors
         if gy is None:
             return None, None, None, None, None, None
