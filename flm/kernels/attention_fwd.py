@@ -523,10 +523,16 @@ _UNFIT = (OutOfResources, PTXASError, CompileTimeAssertionFailure)
 
 
 def autotuning() -> bool:
-    """False when FLM_ATTENTION_AUTOTUNE=0: a new key takes its first candidate that fits, untimed. One compile per key
-    in place of one per candidate, for test suites that launch many keys once each (tests/conftest.py sets it); the
-    kernel's outputs do not depend on the config (tests/attention/test_triton_jvp_gpu.py checks every candidate)."""
-    return os.environ.get("FLM_ATTENTION_AUTOTUNE", "1") != "0"
+    """False when FLM_ATTENTION_AUTOTUNE=0 (or false, off, no): a new key takes its first candidate that fits, untimed.
+    One compile per key in place of one per candidate, for test suites that launch many keys once each (tests/conftest.py
+    sets it); the kernel's outputs do not depend on the config (tests/attention/test_triton_jvp_gpu.py checks every
+    candidate)."""
+    value = os.environ.get("FLM_ATTENTION_AUTOTUNE", "1").strip().lower()
+    if value in ("0", "false", "off", "no"):
+        return False
+    if value in ("1", "true", "on", "yes", ""):
+        return True
+    raise ValueError(f"FLM_ATTENTION_AUTOTUNE={value!r}: set 1 (time the launch configs, the default) or 0 (the first that fits)")
 
 
 def first_that_fits(launch, configs):

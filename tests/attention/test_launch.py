@@ -133,7 +133,13 @@ def test_untuned_keys_take_the_first_candidate_that_fits(monkeypatch):
     assert kernels.candidates(80, False) == kernels._CANDIDATES[80]
     assert kernels.candidates(72 + 8, True) == [*kernels._CANDIDATES[80], kernels._BIAS_FALLBACK]
     assert kernels.candidates(192, False) == kernels._CANDIDATES[256]
-    monkeypatch.setenv("FLM_ATTENTION_AUTOTUNE", "0")
-    assert not kernels.autotuning()
+    for off in ("0", "off", "False"):
+        monkeypatch.setenv("FLM_ATTENTION_AUTOTUNE", off)
+        assert not kernels.autotuning()
+    monkeypatch.setenv("FLM_ATTENTION_AUTOTUNE", "1")
+    assert kernels.autotuning()
     monkeypatch.delenv("FLM_ATTENTION_AUTOTUNE")
     assert kernels.autotuning()
+    monkeypatch.setenv("FLM_ATTENTION_AUTOTUNE", "sometimes")
+    with pytest.raises(ValueError, match="FLM_ATTENTION_AUTOTUNE='sometimes': set 1"):
+        kernels.autotuning()
