@@ -127,12 +127,17 @@ def _plain_layer_norm(x, weight, bias, eps):
     return _affine(F.layer_norm(x, x.shape[-1:], None, None, eps), weight, bias)
 
 
+def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
+    """The autocast dtype for x's device, None when autocast is off there."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+
+
 def _autocast(*tensors):
     """Cast floating tensors to the autocast dtype when autocast is on (what F.linear would do)."""
-    device = tensors[0].device.type
-    if not torch.is_autocast_enabled(device):
+    dtype = _autocast_dtype(tensors[0])
+    if dtype is None:
         return tensors
-    dtype = torch.get_autocast_dtype(device)
     return tuple(None if t is None else _cast(t, dtype) for t in tensors)
 
 
@@ -332,8 +337,7 @@ def modulate(x, shift, scale, eps: float = 1e-6, dtype: torch.dtype | None = Non
 
 def matmul_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype a matmul of x computes in: the autocast dtype when autocast is on for x's device, else x's own."""
-    device = x.device.type
-    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+    return _autocast_dtype(x) or x.dtype
 
 
 # --------------------------------------------------------------------------------------------

@@ -683,18 +683,18 @@ def attention_fwd(
     if config is None:  # the autotuner's key (its key names and the inputs' dtypes)
         tune_key = (args[-2], args[-1], *meta.values(), q.dtype, bias.dtype, tbias.dtype, q.device)
         config = _TUNED.get(tune_key)
-    if config is not None:
+
+    def launch(config):
         bm, bn, warps, stages = config
         grid = (-(-lq // bm), b * h)
         if interpreter:
             _fwd_kernel[grid](*args, **meta, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
         else:
             _fwd_launch(grid, args, {**meta, "BLOCK_M": bm, "BLOCK_N": bn}, warps, stages)
+
+    if config is not None:
+        launch(config)
     elif not autotuning():
-
-        def launch(c):
-            _fwd_launch((-(-lq // c[0]), b * h), args, {**meta, "BLOCK_M": c[0], "BLOCK_N": c[1]}, c[2], c[3])
-
         _TUNED[tune_key] = first_that_fits(launch, candidates(block_d + block_d_rem, has_bias or has_mask))
     else:
         grid = lambda cfg: (triton.cdiv(lq, cfg["BLOCK_M"]), b * h)  # noqa: E731
