@@ -42,6 +42,7 @@ null velocity (scm_guided_velocity), which is what it learns without the velocit
 """
 
 import argparse
+import ast
 import copy
 import json
 import math
@@ -318,6 +319,7 @@ def fit(
     batch: int = 256,
     lr: float = 1e-3,
     lr_warmup: int = 100,
+    cosine: bool = False,
     ema: float = 0.99,
     time_scale: float = 1.0,
     hidden: int = 128,
@@ -339,7 +341,9 @@ def fit(
     rCM's fake score's) initialisation, as a distillation in flm starts (flm.train.loop.start_from).
     classes: each component is a class (the labels go to the objective; scored against the guided flow's map).
     """
-    settings = dict(batch=batch, lr=lr, lr_warmup=lr_warmup, ema=ema, time_scale=time_scale, hidden=hidden, depth=depth)
+    settings = dict(
+        batch=batch, lr=lr, lr_warmup=lr_warmup, cosine=cosine, ema=ema, time_scale=time_scale, hidden=hidden, depth=depth
+    )
     gmm = default_gmm(dim)
     teacher = ExactTeacher(gmm)
     if fit_teacher_steps:
@@ -373,7 +377,12 @@ def fit(
     if target_decay and target_decay not in averages:
         averages[target_decay] = copy.deepcopy(model).requires_grad_(False)
     opt = torch.optim.Adam(list(model.parameters()) + list(objective.parameters()), lr=lr)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, lr_warmup)))
+
+    def lr_factor(s):  # linear warm-up, then constant or (cosine) a cosine decay to 0 at the last step
+        decay = 0.5 * (1 + math.cos(math.pi * min(1.0, s / steps))) if cosine else 1.0
+        return min(1.0, (s + 1) / max(1, lr_warmup)) * decay
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
     networks, optimizers = {}, {"model": (model, opt)}
     fresh = lambda: ToyNet(1, time_scale, hidden, depth, dim)  # noqa: E731
     for name, network in declared.items():
@@ -422,6 +431,8 @@ def _value(text: str):
             return cast(text)
         except ValueError:
             pass
+    if text.startswith("["):  # a list, e.g. alpha_steps=[500,2000]
+        return ast.literal_eval(text)
     return {"true": True, "false": False}.get(text, text)
 
 
@@ -432,6 +443,7 @@ def main():
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--ema", type=float, default=0.99)
+    p.add_argument("--cosine", action="store_true", help="decay the lr to 0 at the last step (a cosine), as the MNIST presets do")
     p.add_argument("--time-scale", type=float, default=1.0)
     p.add_argument("--eval-every", type=int, default=500)
     p.add_argument("--seed", type=int, default=0)
@@ -449,6 +461,7 @@ def main():
         steps=args.steps,
         batch=args.batch,
         lr=args.lr,
+        cosine=args.cosine,
         ema=args.ema,
         time_scale=args.time_scale,
         eval_every=args.eval_every,

@@ -167,7 +167,7 @@ def build_step(model_name, tokens, objective_name, backend, mode, execution, arg
             params = params + list(networks[name].parameters())
             opts.append(torch.optim.AdamW(networks[name].parameters(), lr=1e-4, fused=fused))
     # rCM: one cycle of its alternation (fake-score steps, then a student step), each phase its own graph
-    phases = [objective.phase(k) for k in range(objective.fake_updates + 1)] if hasattr(objective, "phase") else [None]
+    phases = [objective.phase(k) for k in range(objective.fake_updates + 1)] if hasattr(objective, "fake_updates") else [None]
     g = torch.Generator(device).manual_seed(0)
     x = torch.randn(batch, args.channels, side, side, device=device, generator=g)
     y = torch.randint(0, args.num_classes, (batch,), device=device, generator=g)

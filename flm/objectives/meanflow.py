@@ -70,6 +70,20 @@ long-interval targets are learnt well only once the velocity and short intervals
 (one_step_frac, two_step_frac) are not shortened. Same shapes and cost at every step (a CUDA-graph step reads the
 step on the GPU).
 
+The consistency curriculum (`alpha_steps`, off by default; the alpha-Flow family of MeanFlow objectives): during the
+first alpha_steps[1] steps the r != t samples take a discrete target in place of the identity's derivative,
+
+    u_tgt = alpha v + (1 - alpha) sg(u(z_s, r, s)),   s = t - alpha (t - r),   z_s = z_t - alpha (t - r) dz
+
+(dz the JVP's tangent: v, or sg(u(z_t, t, t)) with tangent="model"): a jump of alpha (t - r) along the velocity, then
+the model's own jump from s to r. alpha = 1 is the velocity itself (u learns v whatever r: flow matching along the
+trajectory); alpha -> 0 is the MeanFlow identity (u(z_s, r, s) = u - alpha (t - r) du/dt + O(alpha^2)). alpha stays 1
+until alpha_steps[0], then falls geometrically to alpha_min at alpha_steps[1], after which the identity's target (the
+JVP) takes over. The loss is MeanFlow's on the residual divided by alpha, times alpha: its gradient at small alpha is
+MeanFlow's, at alpha = 1 flow matching's, under the same adaptive weight. The curriculum's steps take no JVP: a plain
+forward and one (two with tangent="model") without gradient. Two kinds of step, so `phase(step)` names them and a
+CUDA-graph run captures each once.
+
 Guidance in training (section 4.2, eqs. 13-19, off by default): v is replaced, in the target and in
 the JVP tangent, by v~ = omega v + kappa u(z_t, t, t | y) + (1 - omega - kappa) u(z_t, t, t | null),
 the two u's without gradient; samples whose label was dropped to the null class keep v~ = v.
@@ -156,6 +170,9 @@ class MeanFlow(nn.Module):
             jump (split_target="teacher_student").
         interval_warmup: the r != t intervals are scaled by min(1, step / interval_warmup) (see the module
             docstring); 0: off, the full proposal from the first step.
+        alpha_steps: (start, end) of the consistency curriculum (see the module docstring): alpha = 1 until start,
+            then geometric to alpha_min at end, then the identity; None: off.
+        alpha_min: alpha at alpha_steps[1], where the curriculum hands over to the identity's target.
         r_zero: fraction of samples with r = 0, drawn before r_neq_t applies: the interval [0, t] of a
             consistency model, whose t = 1 end is the 1-step sampler's. Two logit-normal draws rarely span
             it (t - r >= 0.7 for ~1 % of samples, docs/quality.md); 0 is the paper's proposal.
@@ -214,6 +231,8 @@ class MeanFlow(nn.Module):
         t_std: float = 1.0,
         r_neq_t: float = 0.25,
         interval_warmup: int = 0,
+        alpha_steps: tuple[int, int] | None = None,
+        alpha_min: float = 5e-3,
         r_zero: float = 0.0,
         one_step_frac: float = 0.0,
         two_step_frac: float = 0.0,
@@ -277,6 +296,7 @@ class MeanFlow(nn.Module):
         if not (isinstance(interval_warmup, int) and interval_warmup >= 0):
             raise ValueError(f"interval_warmup must be a number of steps >= 0 (0: off), got {interval_warmup!r}")
         self.interval_warmup = interval_warmup
+        self.alpha_steps, self.alpha_min = self._check_alpha(alpha_steps, alpha_min, split_above, identity, target_velocity)
         self.one_step_frac, self.two_step_frac = one_step_frac, two_step_frac
         self.adaptive_p, self.adaptive_c = adaptive_p, adaptive_c
         self.hf_weight = check_hf_weight(hf_weight)
@@ -360,6 +380,48 @@ class MeanFlow(nn.Module):
             )
         self.perceptual_weight, self.perceptual_t, self.perceptual_blocks = perceptual_weight, perceptual_t, perceptual_blocks
 
+    def _check_alpha(self, alpha_steps, alpha_min, split_above, identity, target_velocity):
+        if alpha_steps is None:
+            return None, alpha_min
+        steps = tuple(alpha_steps)
+        ints = all(isinstance(k, int) and not isinstance(k, bool) for k in steps)
+        if not (len(steps) == 2 and ints and 0 <= steps[0] < steps[1]):
+            raise ValueError(
+                f"alpha_steps must be [start, end], steps with 0 <= start < end (alpha = 1 until start, alpha_min at end), "
+                f"or null (off), got {alpha_steps!r}"
+            )
+        if not 0 < alpha_min < 1:
+            raise ValueError(f"alpha_min must be in (0, 1) (alpha where the identity takes over), got {alpha_min!r}")
+        if split_above is not None or identity != "eulerian" or target_velocity != "sample":
+            raise ValueError(
+                "alpha_steps replaces the Eulerian identity's target during the curriculum; it does not combine with "
+                f"split_above={split_above!r}, identity={identity!r}, target_velocity={target_velocity!r}: "
+                "set objective.alpha_steps=null or those to null / eulerian / sample"
+            )
+        if type(self).phase is not MeanFlow.phase or type(self).loss is not MeanFlow.loss:
+            raise ValueError(
+                f"alpha_steps is an option of objective=meanflow and meanflow_distill, not of {type(self).__name__} "
+                "(its steps have kinds of their own); set objective.alpha_steps=null"
+            )
+        return steps, float(alpha_min)
+
+    def phase(self, step) -> str | None:
+        """The step's kind with the consistency curriculum: "alpha" (its discrete target) before alpha_steps[1], then
+        "identity"; None without it (one kind of step)."""
+        if self.alpha_steps is None:
+            return None
+        return "alpha" if int(step) < self.alpha_steps[1] else "identity"
+
+    def alpha(self, step, phase: str | None = None):
+        """The curriculum's alpha at `step` (an int, or a 0-dim tensor under CUDA graphs); None in the identity's steps."""
+        if (phase or self.phase(step)) != "alpha":
+            return None
+        start, end = self.alpha_steps
+        if isinstance(step, torch.Tensor):
+            frac = ((step.float() - start) / (end - start)).clamp(0.0, 1.0)
+            return torch.pow(self.alpha_min, frac)
+        return self.alpha_min ** min(1.0, max(0.0, (step - start) / (end - start)))
+
     def sample_times(self, n: int, device, step=None) -> tuple[torch.Tensor, torch.Tensor]:
         """(t, r) with t >= r: two logit-normal draws sorted; a fraction r_zero gets r = 0, and of the others
         a fraction 1 - r_neq_t gets r = t (with jvp_subset: all but the first jvp_count(n)); at a training step the
@@ -417,8 +479,8 @@ class MeanFlow(nn.Module):
         step: the training step (the interval warm-up's), None: the full proposal."""
         return self._errors(model, x, y, step=step, teacher=teacher, ema=ema)[:3]
 
-    def _errors(self, model, x, y=None, *, step=None, teacher=None, ema=None):
-        """errors' (t, r, u - sg(u_tgt)), then z_t and u."""
+    def _errors(self, model, x, y=None, *, step=None, teacher=None, ema=None, alpha=None):
+        """errors' (t, r, u - sg(u_tgt)), then z_t and u; alpha: the consistency curriculum's (None: the identity)."""
         y_in = drop_labels(model, y, self.label_dropout)
         t, r = self.sample_times(x.shape[0], x.device, step)
         s = self.path.sample(x, torch.randn_like(x), t)
@@ -432,13 +494,14 @@ class MeanFlow(nn.Module):
             lagrangian = functools.partial(self._lagrangian_target, model, teacher=teacher)
             u_tgt, u = self._on_subset(model, s.x_t, t, r, y_in, lagrangian, diagonal)
         else:
-            u_tgt, u = self._eulerian_target(model, s, r, y, y_in, teacher, ema)
+            u_tgt, u = self._eulerian_target(model, s, r, y, y_in, teacher, ema, alpha)
         if self.split_above is not None:
             u_tgt = self._with_split_targets(model, s.x_t, t, r, y_in, u_tgt, teacher, ema)
         return t, r, u.float() - u_tgt, s.x_t, u
 
-    def _eulerian_target(self, model, s, r, y, y_in, teacher=None, ema=None):
-        """(sg(u_tgt), u) of the MeanFlow identity (eq. 8) at the path sample s; y are the labels before dropout."""
+    def _eulerian_target(self, model, s, r, y, y_in, teacher=None, ema=None, alpha=None):
+        """(sg(u_tgt), u) of the MeanFlow identity (eq. 8) at the path sample s, or with alpha the consistency
+        curriculum's discrete target; y are the labels before dropout."""
         t = s.t
         guided_training = self.cfg_omega != 1.0 or self.cfg_kappa != 0.0
         v = self._guided_velocity(model, s, y, y_in) if guided_training else s.dx_t
@@ -460,7 +523,17 @@ class MeanFlow(nn.Module):
                 v = torch.where(bcast(t != r, v), v_self.float(), v)
             return v - bcast(t - r, v) * dudt.float(), u
 
-        u_tgt, u = self._on_subset(model, s.x_t, t, r, y_in, identity, lambda u, i: v[i].float(), v)
+        def discrete(z, t, r, y, v):  # u and u_tgt = alpha v + (1 - alpha) sg(u(z_s, r, s)) (the curriculum)
+            a = torch.where(t != r, alpha, 1.0)  # r = t: alpha 1, the velocity itself
+            with torch.no_grad():
+                dz = model(z, t, t, y).float() if self.tangent == "model" else v
+                h = a * (t - r)  # the velocity's jump t -> s
+                u_sr = model((z.float() - bcast(h, dz) * dz).to(z.dtype), t - h, r, y).float()
+            a = bcast(a, v)
+            return a * v + (1 - a) * u_sr, model(z, t, r, y)
+
+        target = identity if alpha is None else discrete
+        u_tgt, u = self._on_subset(model, s.x_t, t, r, y_in, target, lambda u, i: v[i].float(), v)
         return u_tgt.detach(), u
 
     def _on_subset(self, model, z, t, r, y, target, diagonal, *per_sample):
@@ -577,11 +650,17 @@ class MeanFlow(nn.Module):
         f_g = teacher_features(teacher, x_g, s, eps, y, blocks)
         return sum((a.float() - b.float()).square().flatten(1).mean(1) for a, b in zip(f_g, f_tgt))
 
-    def loss(self, model, x, y=None, *, step: int = 0, teacher=None, ema=None):
+    def loss(self, model, x, y=None, *, step: int = 0, phase: str | None = None, teacher=None, ema=None):
         n = x.shape[0]
-        _, _, err, z, u = self._errors(model, x, y, step=step, teacher=teacher, ema=ema)
-        sq = squared_error(err, self.hf_weights(n, x.device))  # ||u - u_tgt||^2 per sample (pixel-scale part weighted)
+        alpha = self.alpha(step, phase)
+        t, r, err, z, u = self._errors(model, x, y, step=step, teacher=teacher, ema=ema, alpha=alpha)
         metrics = {"mse": err.detach().square().mean()}
+        # the curriculum: MeanFlow's loss of the residual / alpha, times alpha (its gradient tends to MeanFlow's)
+        a = None if alpha is None else torch.where(t != r, alpha, 1.0)
+        if a is not None:
+            metrics["alpha"] = torch.as_tensor(alpha).detach()
+        # ||u - u_tgt||^2 per sample (pixel-scale part weighted)
+        sq = squared_error(err if a is None else err / bcast(a, err), self.hf_weights(n, x.device))
         k1 = self.one_step_count(n)
         if self.perceptual_weight and k1:
             d = self.perceptual(teacher, z[:k1], u[:k1], err[:k1], None if y is None else y[:k1])
@@ -589,7 +668,8 @@ class MeanFlow(nn.Module):
             # does the pixel error's; a term weighted apart, sg(1 / d) d, let grad log d drive the step
             sq = torch.cat([sq[:k1] + self.perceptual_weight * d, sq[k1:]])
             metrics["perceptual"] = d.detach().mean()
-        loss = (self.adaptive_weight(sq) * sq).mean()
+        loss = self.adaptive_weight(sq) * sq
+        loss = (loss if a is None else a * loss).mean()
         return loss, {"loss": loss.detach(), **metrics}
 
     def generate(self, model, x, y):

@@ -34,9 +34,10 @@ Alternating updates: `loss` returns one loss, whose gradients every optimizer st
 {network: loss} of the networks this step updates ("model" for the trained model, else a trainable
 network's name); the others' optimizers, and the model's EMA unless "model" is there, skip the step.
 The choice must depend on the step alone (every micro-batch and rank of a step makes the same one),
-which also makes a resumed run alternate as the whole run did. An objective that alternates says so
-with `phase(step) -> str`, the name of the step's kind, which the loop passes to `loss` as `phase=`
-(step is then a device tensor under CUDA graphs, where the loop captures one graph per phase);
+which also makes a resumed run alternate as the whole run did. An objective that alternates, or whose
+steps otherwise compute different things (MeanFlow's consistency curriculum), says so with
+`phase(step) -> str | None`, the name of the step's kind (None: one kind), which the loop passes to `loss`
+as `phase=` (step is then a device tensor under CUDA graphs, where the loop captures one graph per phase);
 without it, trainer.cuda_graph=true refuses an objective whose loss does not update every network.
 """
 

@@ -620,3 +620,81 @@ def test_jvp_subset_takes_the_jvp_on_the_r_neq_t_samples_alone():
     model.calls.clear()  # r_neq_t = 0: flow matching, no JVP
     MeanFlow(jvp_subset=True, r_neq_t=0.0).loss(model, torch.randn(4, 3, 8, 8), torch.randint(0, 10, (4,)))
     assert model.calls == [(4, False, True)]
+
+
+def test_the_consistency_curriculums_alpha_and_step_kinds():
+    """alpha is 1 until alpha_steps[0], falls geometrically to alpha_min at alpha_steps[1], where the identity's steps
+    begin; a tensor step (a CUDA-graph step's) gives the same alpha; without the curriculum there is one kind of step."""
+    objective = MeanFlow(alpha_steps=[100, 300], alpha_min=0.01)
+    assert [objective.phase(k) for k in (0, 299, 300, 10**6)] == ["alpha", "alpha", "identity", "identity"]
+    for step, alpha in [(0, 1.0), (100, 1.0), (200, 0.1), (299, 0.01 ** (199 / 200))]:
+        assert objective.alpha(step) == pytest.approx(alpha)
+        torch.testing.assert_close(objective.alpha(torch.tensor(step), "alpha"), torch.tensor(alpha))
+    assert objective.alpha(300) is None
+    assert MeanFlow().phase(5) is None and MeanFlow().alpha(5) is None
+
+
+def test_the_curriculum_at_alpha_1_is_the_velocity():
+    """At alpha = 1 every sample's target is v, whatever r: u = exact + c (t - r) has the error c (t - r), where the
+    identity's target charges 2 c (t - r)."""
+    torch.manual_seed(0)
+    model, x = _GapMeanFlow(A, offset=0.3), _data()
+    objective = MeanFlow(r_neq_t=1.0, adaptive_p=0.0, alpha_steps=[10, 20])
+    torch.manual_seed(0)
+    t, r, err = objective.errors(model, x)
+    torch.manual_seed(0)
+    _, metrics = objective.loss(model, x, step=0)
+    assert metrics["alpha"] == 1.0
+    torch.testing.assert_close(metrics["mse"], (0.3 * (t - r)).square().mean(), rtol=1e-5, atol=0)
+    torch.testing.assert_close(err.square().mean(), (0.6 * (t - r)).square().mean(), rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("tangent", ["sample", "model"])
+def test_the_curriculums_gradient_tends_to_meanflows_as_alpha_falls(tangent):
+    """alpha sg(w) ||err / alpha||^2 has MeanFlow's gradient in the limit: its distance to it is O(alpha), < 1e-3 at
+    alpha 1e-3 and far more at 0.5; the r = t samples (half of them) take v at every alpha."""
+    n = 8
+    torch.manual_seed(0)
+    x, y = torch.randn(n, 3, 8, 8), torch.randint(0, 10, (n,))
+
+    def loss_and_grad(**kwargs):
+        model = tiny_dit(time_inputs=2, seed=1)
+        objective = MeanFlow(r_neq_t=0.5, tangent=tangent, **kwargs)
+        torch.manual_seed(1)
+        loss, _ = objective.loss(model, x, y, step=1000)
+        loss.backward()
+        return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    grad_mf = loss_and_grad()
+    distance = {}
+    for alpha in (0.5, 1e-3):
+        grad = loss_and_grad(alpha_steps=[0, 2000], alpha_min=alpha**2)  # step 1000: alpha_min ** 0.5
+        distance[alpha] = ((grad - grad_mf).norm() / grad_mf.norm()).item()
+    assert distance[1e-3] < 1e-3 and distance[0.5] > 10 * distance[1e-3], distance
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"alpha_steps": [5, 5]}, "alpha_steps must be"),
+        ({"alpha_steps": [10, 2]}, "alpha_steps must be"),
+        ({"alpha_steps": [-1, 3]}, "alpha_steps must be"),
+        ({"alpha_steps": [0.5, 3]}, "alpha_steps must be"),
+        ({"alpha_steps": [3]}, "alpha_steps must be"),
+        ({"alpha_steps": [0, 10], "alpha_min": 0.0}, "alpha_min must be in"),
+        ({"alpha_steps": [0, 10], "alpha_min": 1.0}, "alpha_min must be in"),
+        ({"alpha_steps": [0, 10], "split_above": 0.5}, "does not combine"),
+        ({"alpha_steps": [0, 10], "identity": "lagrangian"}, "does not combine"),
+    ],
+)
+def test_the_curriculums_config_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        MeanFlow(**kwargs)
+
+
+@pytest.mark.parametrize("name", ["meanflow_dmd", "meanflow_gan"])
+def test_the_regularised_students_refuse_the_curriculum(name):
+    from flm.objectives import build_objective
+
+    with pytest.raises(ValueError, match="alpha_steps is an option of objective=meanflow"):
+        build_objective(name, teacher="unused", alpha_steps=[0, 10])

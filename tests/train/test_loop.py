@@ -268,3 +268,19 @@ def test_scm_bf16_gap_tables_an_scm_run_and_refuses_another(tmp_path, train_run,
     train_run(tmp_path / "fm", ["objective=flow_matching"])
     with pytest.raises(SystemExit, match="is a FlowMatching run; this benchmark takes sCM"):
         gap.main(["--ckpt", str(tmp_path / "fm"), "--device", "cpu"])
+
+
+def test_meanflows_consistency_curriculum_hands_over_and_resumes_exactly(tmp_path, train_run):
+    """objective.alpha_steps: the loop passes each step's kind (phase) to the loss, the curriculum's steps log their
+    alpha and the identity's do not, and a run stopped inside the curriculum resumes bit-exactly past the handover."""
+    common = ["objective=meanflow", "objective.alpha_steps=[1,3]", "objective.alpha_min=0.1", "trainer.log_every=1"]
+    train_run(tmp_path / "whole", common + ["trainer.max_steps=4"])
+    train_run(tmp_path / "split", common + ["trainer.max_steps=2", "trainer.ckpt_every=2"])
+    train_run(tmp_path / "split", common + ["trainer.max_steps=4", "trainer.resume=auto"])
+    metrics = read_metrics(tmp_path / "whole")
+    assert [m.get("alpha") for m in metrics[:3]] == pytest.approx([1.0, 1.0, 0.1**0.5])
+    assert "alpha" not in metrics[3]
+    whole = checkpoint.load(str(tmp_path / "whole" / "checkpoints" / "ckpt-00000004.pt"))
+    split = checkpoint.load(str(tmp_path / "split" / "checkpoints" / "ckpt-00000004.pt"))
+    for key in ("model", "ema", "optimizer"):
+        assert_same_state(whole[key], split[key], key)
