@@ -84,6 +84,21 @@ def steady_step_ms(run_dir: str) -> float:
     return statistics.median(r["step_ms"] for r in rows[1:])
 
 
+def steady_gpu_seconds(run_dir: str) -> float:
+    """A run's training time: each logged window's steps x its ms/step, the first window (compilation, capture) at the
+    median of the others. A sum, not steps x median: a run whose steps change cost (MeanFlow's consistency curriculum,
+    objective.alpha_steps, takes no JVP before its hand-over) is charged for each kind of step. A resumed run's first
+    window (after a time budget's probe) holds its capture too, and is charged as logged."""
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    rows = [r for r in rows if "step_ms" in r]
+    median, total, last = steady_step_ms(run_dir), 0.0, 0
+    for i, r in enumerate(rows):
+        total += (r["step"] - last) * (median if i == 0 else r["step_ms"])
+        last = r["step"]
+    return total / 1000
+
+
 def budget_seconds(steps: str, objective: str, budget_s: float) -> float:
     """GPU seconds of training for STEPS=auto or <seconds>s: a distilled student's auto is a quarter of the budget."""
     if steps == "auto":
@@ -163,7 +178,7 @@ def run_objective(spec: str, args, group: str | None = None) -> dict:
         "sampler_steps": sampler_steps,
         "train_steps": steps,
         "step_ms": ms_final,
-        "gpu_s": steps * ms_final / 1000,
+        "gpu_s": steady_gpu_seconds(run_dir),
         "wall_s": wall,
         "overrides": overrides,
         "evals": fid,

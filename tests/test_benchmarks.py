@@ -354,6 +354,16 @@ def test_quality_steady_step_ms_is_the_median_after_the_first_window(tmp_path):
     assert load("quality").steady_step_ms(str(tmp_path)) == pytest.approx((55.2 + 55.6) / 2)
 
 
+def test_quality_gpu_seconds_charge_each_window_at_its_own_step_time(tmp_path):
+    """A run whose steps change cost (a curriculum's cheap steps, then JVP steps) is charged window by window; the first
+    window (compilation, capture) at the median of the others."""
+    rows = [(50, 300.0), (100, 40.0), (150, 40.0), (200, 40.0), (250, 70.0), (300, 70.0), (310, 75.0)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": k, "step_ms": m}) + "\n" for k, m in rows))
+    median = 55.0  # of 40, 40, 40, 70, 70, 75
+    expected = 50 * median + 150 * 40.0 + 100 * 70.0 + 10 * 75.0
+    assert load("quality").steady_gpu_seconds(str(tmp_path)) == pytest.approx(expected / 1000)
+
+
 @pytest.mark.gpu
 def test_flow_map_error_samples_a_renoising_objective_on_cuda():
     # sCM's 2-step sampler re-noises from one CPU generator per image; CUDA ones failed on the H200
