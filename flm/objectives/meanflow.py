@@ -413,8 +413,10 @@ class MeanFlow(nn.Module):
         return "alpha" if int(step) < self.alpha_steps[1] else "identity"
 
     def alpha(self, step, phase: str | None = None):
-        """The curriculum's alpha at `step` (an int, or a 0-dim tensor under CUDA graphs); None in the identity's steps."""
-        if (phase or self.phase(step)) != "alpha":
+        """The curriculum's alpha at `step` (an int, or a 0-dim tensor under CUDA graphs, which comes with its phase);
+        None in the identity's steps and without the curriculum (then no phase is asked for: a subclass's own phase(step)
+        reads its step on the host)."""
+        if self.alpha_steps is None or (phase or self.phase(step)) != "alpha":
             return None
         start, end = self.alpha_steps
         if isinstance(step, torch.Tensor):

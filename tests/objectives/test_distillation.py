@@ -304,3 +304,20 @@ def test_hf_weight_one_step_weighs_the_one_step_share_alone():
 def test_bad_one_step_options_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SCD(teacher="t", **kwargs)
+
+
+def test_a_given_phase_is_the_only_one_asked_for(monkeypatch):
+    """Under CUDA graphs the loop passes each step's phase and the step as a device tensor, whose phase(step) would read
+    it on the host (a sync a capture refuses): MeanFlow + DMD's student step must not ask its phase again, through
+    MeanFlow's loss (whose consistency curriculum has phases of its own) included."""
+    objective = MeanFlowDMD(teacher="unused", dmd_weight=1.0)
+    student = tiny_dit(time_inputs=objective.time_inputs, seed=1)
+    teacher, fake = tiny_dit(seed=2).requires_grad_(False), tiny_dit(seed=3)
+
+    def no_host_read(step):
+        raise AssertionError("phase(step) called although the step's phase was given")
+
+    monkeypatch.setattr(objective, "phase", no_host_read)
+    x, y = torch.randn(2, 3, 8, 8), torch.tensor([0, 1])
+    losses, _ = objective.loss(student, x, y, step=torch.tensor(3), phase="model", teacher=teacher, fake_score=fake)
+    assert list(losses) == ["model"]
