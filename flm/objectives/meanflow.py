@@ -660,7 +660,8 @@ class MeanFlow(nn.Module):
         # the curriculum: MeanFlow's loss of the residual / alpha, times alpha (its gradient tends to MeanFlow's)
         a = None if alpha is None else torch.where(t != r, alpha, 1.0)
         if a is not None:
-            metrics["alpha"] = torch.as_tensor(alpha).detach()
+            # on the batch's device, as every metric: the loop all-reduces them (NCCL takes no CPU tensor); a fill, no copy
+            metrics["alpha"] = alpha.detach() if isinstance(alpha, torch.Tensor) else torch.full((), alpha, device=x.device)
         # ||u - u_tgt||^2 per sample (pixel-scale part weighted)
         sq = squared_error(err if a is None else err / bcast(a, err), self.hf_weights(n, x.device))
         k1 = self.one_step_count(n)

@@ -49,3 +49,19 @@ def test_fused_bf16_step_matches_math_at_head_dim_72(objective_name):
         got = _grads(objective_name, model, "triton_jvp", mode)
         rel = ((got - ref).norm() / ref.norm()).item()
         assert rel < 2e-2, f"{objective_name} {mode}: relative gradient error {rel:.2e}"
+
+
+@pytest.mark.parametrize(
+    "objective_name, options",
+    [("flow_matching", {}), ("meanflow", {}), ("meanflow", {"alpha_steps": [0, 10]}), ("scm", {})],
+)
+def test_every_metric_lives_on_the_gpu(objective_name, options):
+    """The loop all-reduces the objective's metrics over ranks, and NCCL takes no CPU tensor: each one on the batch's
+    device (the curriculum's alpha is a Python number in an eager step)."""
+    from tests.models.tiny import tiny_dit
+
+    objective = build_objective(objective_name, **options).cuda()
+    model = tiny_dit(time_inputs=objective.time_inputs, channels=4, input_size=16).cuda()
+    x, y = torch.randn(4, 4, 16, 16, device="cuda"), torch.arange(4, device="cuda")
+    _, metrics = objective.loss(model, x, y, step=3)
+    assert {k: v.device.type for k, v in metrics.items()} == dict.fromkeys(metrics, "cuda")

@@ -644,7 +644,7 @@ def test_the_curriculum_at_alpha_1_is_the_velocity():
     t, r, err = objective.errors(model, x)
     torch.manual_seed(0)
     _, metrics = objective.loss(model, x, step=0)
-    assert metrics["alpha"] == 1.0
+    assert metrics["alpha"] == 1.0 and metrics["alpha"].device == x.device  # every metric on the batch's device
     torch.testing.assert_close(metrics["mse"], (0.3 * (t - r)).square().mean(), rtol=1e-5, atol=0)
     torch.testing.assert_close(err.square().mean(), (0.6 * (t - r)).square().mean(), rtol=1e-5, atol=0)
 
