@@ -48,6 +48,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton kernels on the CPU (before triton loads)
 
+from benchmarks.quality import split_overrides
 from flm import nn as fnn
 from flm.models import build_model
 from flm.objectives import build_objective
@@ -78,7 +79,8 @@ def parse_args(argv=None):
     csv = lambda s: [x for x in s.split(",") if x]  # noqa: E731
     p.add_argument("--models", type=csv, default=["DiT-B/2", "DiT-XL/2"])
     p.add_argument("--tokens", type=lambda s: [int(x) for x in csv(s)], default=[256, 1024, 4096])
-    p.add_argument("--objectives", type=csv, default=["flow_matching", "meanflow", "scm"])
+    # commas inside brackets belong to an option's list: meanflow:alpha_steps=[0,2000000]
+    p.add_argument("--objectives", type=split_overrides, default=["flow_matching", "meanflow", "scm"])
     p.add_argument("--backends", type=csv, default=["triton_jvp", "math"], help="attention backends")
     p.add_argument("--modes", type=csv, default=["dual", "two_pass"], help="JVP modes (MeanFlow, sCM)")
     p.add_argument("--no-sdpa-baseline", action="store_true", help="skip the SDPA flow-matching row")
