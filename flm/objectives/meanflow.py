@@ -104,6 +104,7 @@ from the start (configs/objective/meanflow_distill.yaml; on MNIST its 2-step FID
 
 import functools
 import math
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -383,7 +384,7 @@ class MeanFlow(nn.Module):
     def _check_alpha(self, alpha_steps, alpha_min, split_above, identity, target_velocity):
         if alpha_steps is None:
             return None, alpha_min
-        steps = tuple(alpha_steps)
+        steps = tuple(alpha_steps) if isinstance(alpha_steps, Sequence) and not isinstance(alpha_steps, str) else ()
         ints = all(isinstance(k, int) and not isinstance(k, bool) for k in steps)
         if not (len(steps) == 2 and ints and 0 <= steps[0] < steps[1]):
             raise ValueError(

@@ -681,6 +681,8 @@ def test_the_curriculums_gradient_tends_to_meanflows_as_alpha_falls(tangent):
         ({"alpha_steps": [-1, 3]}, "alpha_steps must be"),
         ({"alpha_steps": [0.5, 3]}, "alpha_steps must be"),
         ({"alpha_steps": [3]}, "alpha_steps must be"),
+        ({"alpha_steps": 5}, "alpha_steps must be"),
+        ({"alpha_steps": "0,10"}, "alpha_steps must be"),
         ({"alpha_steps": [0, 10], "alpha_min": 0.0}, "alpha_min must be in"),
         ({"alpha_steps": [0, 10], "alpha_min": 1.0}, "alpha_min must be in"),
         ({"alpha_steps": [0, 10], "split_above": 0.5}, "does not combine"),
