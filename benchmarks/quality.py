@@ -11,8 +11,10 @@ A run is NAME:OBJECTIVE:STEPS[:override,override...]. STEPS=auto first trains `-
 which gives the objective's steady ms/step, then resumes the run (bit-exactly) up to
 budget / (ms/step) steps, the budget being `--budget-s`, or a quarter of it for a distilled student (issue
 14's rule: a student gets at most a quarter of its teacher's GPU time); STEPS=<seconds>s (e.g. 51s) does the same
-with its own budget; a number trains that many steps (cheaper when the step
-cost is known), and the table reports steps x measured ms/step as the GPU time either way. Then `--n`
+with its own budget (a run with MeanFlow's consistency curriculum, objective.alpha_steps=[start,end], is probed twice,
+as given and with the curriculum off, and its steps before `end` are counted at the first probe's cost); a number
+trains that many steps (cheaper when the step cost is known), and the table reports the GPU time measured either way
+(each logged window's steps at its ms/step). Then `--n`
 samples from each of `--weights` (the run's first EMA, an EMA by decay such as ema0.99, or raw): FID
 against the MNIST test digits, and the digit classifier's label accuracy.
 
@@ -33,6 +35,7 @@ and <out>/quality.md is rewritten from all entries each time.
 """
 
 import argparse
+import ast
 import json
 import os
 import statistics
@@ -99,6 +102,25 @@ def steady_gpu_seconds(run_dir: str) -> float:
     return total / 1000
 
 
+def curriculum_end(overrides: list[str]) -> int | None:
+    """alpha_steps[1] of a run with MeanFlow's consistency curriculum (objective.alpha_steps=[start,end]), else None:
+    its steps cost less before it (no JVP)."""
+    for override in overrides:
+        key, _, value = override.partition("=")
+        if key.lstrip("+") == "objective.alpha_steps" and value.strip() not in ("", "null"):
+            return int(ast.literal_eval(value)[1])
+    return None
+
+
+def steps_for_budget(budget_s: float, ms: float, end: int | None = None, ms_after: float | None = None) -> int:
+    """Training steps in budget_s GPU seconds at ms per step, or with a curriculum its first `end` steps at ms and the
+    rest at ms_after; a multiple of 10."""
+    budget_ms = budget_s * 1000
+    if end is not None and budget_ms > end * ms:
+        return int(round((end + (budget_ms - end * ms) / ms_after) / 10)) * 10
+    return int(round(budget_ms / ms / 10)) * 10
+
+
 def budget_seconds(steps: str, objective: str, budget_s: float) -> float:
     """GPU seconds of training for STEPS=auto or <seconds>s: a distilled student's auto is a quarter of the budget."""
     if steps == "auto":
@@ -138,7 +160,15 @@ def run_objective(spec: str, args, group: str | None = None) -> dict:
         probe = args.probe_steps if steps == "auto" else min(args.probe_steps, 100)
         # the probe's steps lie in the warm-up, which no decay touches; the resumed run decays to its own max_steps
         sh(train + [f"trainer.max_steps={probe}", "optim.decay=none"], log)
-        steps = max(probe, int(round(budget_s * 1000 / steady_step_ms(run_dir) / 10)) * 10)
+        end, ms_after = curriculum_end(overrides), None
+        if end is not None:  # the curriculum's steps take no JVP: the identity's steps are probed apart, curriculum off
+            if probe >= end:
+                raise SystemExit(f"error: {name}'s curriculum ends at step {end}, inside the {probe}-step probe")
+            identity_dir = f"{run_dir}-identity-probe"
+            plain = [a for a in train if not a.startswith(("run_dir=", "objective.alpha_steps="))]
+            sh(plain + [f"run_dir={identity_dir}", f"trainer.max_steps={probe}", "optim.decay=none"], log)
+            ms_after = steady_step_ms(identity_dir)
+        steps = max(probe, steps_for_budget(budget_s, steady_step_ms(run_dir), end, ms_after))
         if steps > probe:
             sh(train + [f"trainer.max_steps={steps}", "trainer.resume=auto"], log)
     else:

@@ -364,6 +364,17 @@ def test_quality_gpu_seconds_charge_each_window_at_its_own_step_time(tmp_path):
     assert load("quality").steady_gpu_seconds(str(tmp_path)) == pytest.approx(expected / 1000)
 
 
+def test_quality_budgets_a_curriculums_cheap_steps_apart():
+    """A time budget buys steps at the probed ms/step; with MeanFlow's consistency curriculum its first `end` steps at
+    the curriculum's cost and the rest at the identity's, read from objective.alpha_steps among the overrides."""
+    quality = load("quality")
+    assert quality.curriculum_end(["model=DiT-S/4", "objective.alpha_steps=[700,2000]"]) == 2000
+    assert quality.curriculum_end(["objective.alpha_steps=null"]) is None and quality.curriculum_end([]) is None
+    assert quality.steps_for_budget(194, 70.0) == 2770  # 194 s / 70 ms
+    assert quality.steps_for_budget(194, 50.0, end=2000, ms_after=70.0) == 2000 + 1340  # 100 s, then 94 s / 70 ms
+    assert quality.steps_for_budget(50, 50.0, end=2000, ms_after=70.0) == 1000  # the budget ends inside the curriculum
+
+
 @pytest.mark.gpu
 def test_flow_map_error_samples_a_renoising_objective_on_cuda():
     # sCM's 2-step sampler re-noises from one CPU generator per image; CUDA ones failed on the H200
