@@ -23,6 +23,17 @@ Loss (Algorithm 1, sCT: no teacher; dx_t/dt = cos(t) z - sin(t) x0 from the data
 where F- = stopgrad(F), warm = min(1, step / warmup_steps) (tangent warm-up) and logvar(t) = -w_phi(t)
 is a small learned head (Fourier features of t -> linear, zero-initialised, as EDM2's).
 
+The consistency curriculum (`alpha_steps`, off by default; flm.objectives.curriculum, which MeanFlow shares): g is
+cos t df-/dt along the trajectory (at full warm-up), so before alpha_steps[1] it is taken by a finite difference,
+
+    g = cos t (f-(x_t, t) - f-(x_s, s)) / (t - s),   s = (1 - alpha) t
+
+with x_s the DDIM step from x_t along dx_t/dt (the sample's own path point for the data's; the guided or the teacher's
+trajectory otherwise): discrete-time consistency training (or distillation, for sCD) with its step alpha t shrinking.
+At alpha = 1, s = 0 and f(x_s, 0) is the clean image itself: the model learns to denoise in one jump. alpha falls
+geometrically to alpha_min, then the JVP's g takes over. No JVP in those steps: one more forward without gradient. The
+tangent warm-up applies to the JVP's steps only (the discrete target is a whole one at every alpha).
+
 THE OBJECTIVE HAS PARAMETERS: optimise them with the model,
 `torch.optim.AdamW(list(model.parameters()) + list(objective.parameters()))`, move it with
 `objective.to(device)` and save `objective.state_dict()` in the checkpoint.
@@ -47,6 +58,7 @@ from flm.models.dit import data_from_velocity
 from flm.objectives.guidance import check_cfg, check_interval, drop_labels, guided, in_interval, null_labels, num_classes, unwrap
 from flm.objectives.jvp import check_jvp_mode, jvp
 from flm.objectives.checks import check_hf_weight, check_probability, check_std
+from flm.objectives.curriculum import Curricular, alpha_metric, build_curriculum
 from flm.objectives.frequency import squared_error
 from flm.objectives.paths import (
     TrigFlowPath,
@@ -80,7 +92,7 @@ class LogVar(nn.Module):
         return self.linear(features).squeeze(1)  # (B,)
 
 
-class SCM(nn.Module):
+class SCM(Curricular, nn.Module):
     """sCT loss on TrigFlow and its 1- or few-step sampler.
 
     Args:
@@ -111,6 +123,9 @@ class SCM(nn.Module):
             (paper: (1.1,) for 2 steps); other step counts space times uniformly in t.
         cfg_interval: [t_min, t_max] in TrigFlow time: guidance in training and the sampler's guidance only there;
             null: at every t.
+        alpha_steps: (start, end) of the consistency curriculum (flm.objectives.curriculum; the module docstring):
+            before end the discrete target of a step alpha t back along the trajectory, no JVP; None: off.
+        alpha_min: alpha at alpha_steps[1], where the JVP target takes over.
     """
 
     time_inputs = 1
@@ -135,6 +150,8 @@ class SCM(nn.Module):
         sigma_max: float = 80.0,
         mid_t: tuple[float, ...] = (1.1,),
         cfg_interval: tuple[float, float] | None = None,
+        alpha_steps: tuple[int, int] | None = None,
+        alpha_min: float = 5e-3,
     ):
         super().__init__()
         check_std("sigma_d", sigma_d)
@@ -160,6 +177,7 @@ class SCM(nn.Module):
         self.cfg_interval = check_interval(cfg_interval)
         self.path = TrigFlowPath(sigma_d)
         self.logvar = LogVar(logvar_channels)
+        self.curriculum = build_curriculum(alpha_steps, alpha_min, type(self), SCM)
 
     @property
     def velocity_head(self) -> bool:
@@ -179,12 +197,14 @@ class SCM(nn.Module):
         x_hat = data_from_velocity(x_in, out, t)  # the DiT returns x^ as the linear path's velocity at (x_in, t)
         return (bcast(torch.cos(t), x_in) * x_in - x_hat) / bcast(torch.sin(t).clamp_min(SIN_MIN), x_in)
 
-    def loss(self, model, x, y=None, *, step=0):
+    def loss(self, model, x, y=None, *, step=0, phase=None):
         y = drop_labels(model, y, self.label_dropout)
         t = lognormal_trigflow(x.shape[0], self.p_mean, self.p_std, self.sigma_d, device=x.device)
         s = self.path.sample(x, torch.randn_like(x), t)
         dx_t = s.dx_t if self.cfg_omega == 1.0 else self.guided_dxdt(model, s.x_t, t, s.dx_t, y)
-        return self.consistency_loss(model, s.x_t, t, dx_t, y, step, velocity_target=s.dx_t if self.velocity_head else None)
+        velocity_target = s.dx_t if self.velocity_head else None
+        alpha = self.alpha(step, phase)
+        return self.consistency_loss(model, s.x_t, t, dx_t, y, step, velocity_target=velocity_target, alpha=alpha)
 
     @torch.no_grad()
     def guided_dxdt(self, model, x_t, t, dx_t, y):
@@ -205,21 +225,26 @@ class SCM(nn.Module):
         keep = bcast((y == null) | ~in_interval(t, self.cfg_interval), v)
         return torch.where(keep, dx_t, v)
 
-    def consistency_loss(self, model, x_t, t, dx_t, y, step, target=None, hf_weight=None, velocity_target=None):
+    def consistency_loss(self, model, x_t, t, dx_t, y, step, target=None, hf_weight=None, velocity_target=None, alpha=None):
         """Algorithm 1's loss at (x_t, t) with dx_t/dt = dx_t: the data's (sCT) or a teacher's (sCD). target: F's
         explicit target for the batch's first len(target) samples (sCD's one_step_frac), in place of F- + g.
         hf_weight: squared_error's, a number or one per sample, in place of self.hf_weight. velocity_target: the
-        velocity head's flow-matching target (velocity_weight > 0), from the same forward as F."""
+        velocity head's flow-matching target (velocity_weight > 0), from the same forward as F. alpha: the consistency
+        curriculum's (g from a step alpha t back, no JVP); None: the JVP's g."""
         sigma_d = self.sigma_d
         if velocity_target is None:
             fn = lambda x_in, t_in: self.network_output(model, x_in, t_in, y)  # noqa: E731
         else:  # F and the velocity head stacked on the channels: one forward, one JVP (the head's tangent unused)
             fn = lambda x_in, t_in: model(x_in, t_in, None, y, head="both")  # noqa: E731
-        F, cs_dFdt = self.jvp_F(fn, x_t, t, dx_t)
+        F, cs_dFdt = self.jvp_F(fn, x_t, t, dx_t) if alpha is None else (fn(x_t / sigma_d, t), None)
         if velocity_target is not None:
-            (F, V), cs_dFdt = F.chunk(2, dim=1), cs_dFdt.chunk(2, dim=1)[0]
+            F, V = F.chunk(2, dim=1)
+            cs_dFdt = None if cs_dFdt is None else cs_dFdt.chunk(2, dim=1)[0]
         F_minus = F.detach().float()
-        g = self.tangent(F_minus, cs_dFdt.float(), x_t, t, dx_t, step)
+        if alpha is None:
+            g = self.tangent(F_minus, cs_dFdt.float(), x_t, t, dx_t, step)
+        else:
+            g = self.discrete_tangent(model, F_minus, x_t, t, dx_t, y, alpha)
         g_norm = g.flatten(1).norm(dim=1)
         g = g / bcast(g_norm + self.tangent_c, g)
 
@@ -238,6 +263,8 @@ class SCM(nn.Module):
             loss = loss + self.velocity_weight * velocity_mse
             metrics["velocity_mse"] = velocity_mse.detach()
         mse = err.detach().square().mean()
+        if alpha is not None:
+            metrics["alpha"] = alpha_metric(alpha, x_t.device)
         return loss, {"loss": loss.detach(), "mse": mse, "tangent_norm": g_norm.detach().mean(), **metrics}
 
     def jvp_F(self, fn, x_t, t, dx_t):
@@ -251,6 +278,24 @@ class SCM(nn.Module):
         """Algorithm 1's g before its normalisation, from F- and cos t sin t dF-/dt (fp32)."""
         flow, consistency = self.tangent_parts(F_minus, cs_dFdt, x_t, t, dx_t)
         return flow - self.warmup(step) * consistency
+
+    @torch.no_grad()
+    def discrete_tangent(self, model, F_minus, x_t, t, dx_t, y, alpha):
+        """The curriculum's g = cos t (f-(x_t, t) - f-(x_s, s)) / (t - s) at s = (1 - alpha) t: g is cos t df-/dt
+        (Algorithm 1's g at full warm-up), here by a finite difference. x_s is the DDIM step from x_t along dx_t, x_s =
+        cos s x0' + sin s z' with the x0' = cos t x_t - sin t dx_t and z' = sin t x_t + cos t dx_t that (x_t, dx_t)
+        imply: the sample's own path point for the data's dx_t/dt, the guided or teacher's trajectory otherwise. At
+        alpha = 1, s = 0 and f(x_0, 0) = x0': the clean image itself."""
+        x_t32, v = x_t.float(), dx_t.float()
+        cos_t, sin_t = bcast(torch.cos(t), v), bcast(torch.sin(t), v)
+        s = (1 - alpha) * t
+        cos_s, sin_s = bcast(torch.cos(s), v), bcast(torch.sin(s), v)
+        x_s = cos_s * (cos_t * x_t32 - sin_t * v) + sin_s * (sin_t * x_t32 + cos_t * v)
+        F_s = self.network_output(model, (x_s / self.sigma_d).to(x_t.dtype), s, y).float()
+        # at s = 0 (alpha = 1) the boundary condition f(x, 0) = x, whatever F does there (a 1 / sin s of its own)
+        f_s = torch.where(bcast(s > 0, v), cos_s * x_s - sin_s * self.sigma_d * F_s, x_s)
+        f_t = cos_t * x_t32 - sin_t * self.sigma_d * F_minus
+        return cos_t * (f_t - f_s) / bcast(t - s, v)
 
     def tangent_parts(self, F_minus, cs_dFdt, x_t, t, dx_t):
         """g's flow-matching part -cos^2 t (sigma_d F- - dx_t/dt) and its consistency part cos t sin t x_t + sigma_d

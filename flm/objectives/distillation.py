@@ -141,7 +141,7 @@ class SCD(SCM):
         velocity = lambda x_s, s: teacher_velocity(teacher, x_s, s, y, self.teacher_cfg_scale)  # noqa: E731
         return trigflow_velocity(velocity, x_t, t, self.sigma_d)
 
-    def loss(self, model, x, y=None, *, step=0, teacher, ema=None):
+    def loss(self, model, x, y=None, *, step=0, phase=None, teacher, ema=None):
         y = drop_labels(model, y, self.label_dropout)
         t = lognormal_trigflow(x.shape[0], self.p_mean, self.p_std, self.sigma_d, device=x.device)
         k = round(self.one_step_frac * len(t))
@@ -155,7 +155,8 @@ class SCD(SCM):
             target_net = ema
         target = self.one_step_target(target_net, teacher, x_t[:k], dx_t[:k], None if y is None else y[:k]) if k else None
         hf_weight = first_k_hf_weight(len(t), k, self.hf_weight, self.hf_weight_one_step, x.device)
-        return self.consistency_loss(model, x_t, t, dx_t, y, step, target=target, hf_weight=hf_weight)
+        alpha = self.alpha(step, phase)
+        return self.consistency_loss(model, x_t, t, dx_t, y, step, target=target, hf_weight=hf_weight, alpha=alpha)
 
     def one_step_flow_times(self) -> torch.Tensor:
         """The flow-matching times s(t_max), ..., s(one_step_mid) of the teacher's ODE steps, uniform (float64)."""

@@ -79,10 +79,10 @@ first alpha_steps[1] steps the r != t samples take a discrete target in place of
 the model's own jump from s to r. alpha = 1 is the velocity itself (u learns v whatever r: flow matching along the
 trajectory); alpha -> 0 is the MeanFlow identity (u(z_s, r, s) = u - alpha (t - r) du/dt + O(alpha^2)). alpha stays 1
 until alpha_steps[0], then falls geometrically to alpha_min at alpha_steps[1], after which the identity's target (the
-JVP) takes over. The loss is MeanFlow's on the residual divided by alpha, times alpha: its gradient at small alpha is
-MeanFlow's, at alpha = 1 flow matching's, under the same adaptive weight. The curriculum's steps take no JVP: a plain
-forward and one (two with tangent="model") without gradient. Two kinds of step, so `phase(step)` names them and a
-CUDA-graph run captures each once.
+JVP) takes over (flm.objectives.curriculum, which sCM shares). The loss is MeanFlow's on the residual divided by
+alpha, times alpha: its gradient at small alpha is MeanFlow's, at alpha = 1 flow matching's, under the same adaptive
+weight. The curriculum's steps take no JVP: a plain forward and one (two with tangent="model") without gradient. Two
+kinds of step ("alpha", "jvp"), so `phase(step)` names them and a CUDA-graph run captures each once.
 
 Guidance in training (section 4.2, eqs. 13-19, off by default): v is replaced, in the target and in
 the JVP tangent, by v~ = omega v + kappa u(z_t, t, t | y) + (1 - omega - kappa) u(z_t, t, t | null),
@@ -104,7 +104,6 @@ from the start (configs/objective/meanflow_distill.yaml; on MNIST its 2-step FID
 
 import functools
 import math
-from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -129,6 +128,7 @@ from flm.objectives.checks import (
     check_teacher_steps,
 )
 from flm.objectives.adversarial import AdversarialRegularised
+from flm.objectives.curriculum import Curricular, alpha_metric, build_curriculum
 from flm.objectives.dmd import DMDRegularised
 from flm.objectives.frequency import first_k_hf_weight, squared_error
 from flm.objectives.paths import LinearPath, bcast, logit_normal, ramp, time_grid
@@ -148,7 +148,7 @@ def _rows(a: torch.Tensor | None, i) -> torch.Tensor | None:
     return None if a is None else a[i]
 
 
-class MeanFlow(nn.Module):
+class MeanFlow(Curricular, nn.Module):
     """MeanFlow loss and its 1- or few-step sampler.
 
     Args:
@@ -297,7 +297,13 @@ class MeanFlow(nn.Module):
         if not (isinstance(interval_warmup, int) and interval_warmup >= 0):
             raise ValueError(f"interval_warmup must be a number of steps >= 0 (0: off), got {interval_warmup!r}")
         self.interval_warmup = interval_warmup
-        self.alpha_steps, self.alpha_min = self._check_alpha(alpha_steps, alpha_min, split_above, identity, target_velocity)
+        if alpha_steps is not None and (split_above is not None or identity != "eulerian" or target_velocity != "sample"):
+            raise ValueError(
+                "alpha_steps replaces the Eulerian identity's target during the curriculum; it does not combine with "
+                f"split_above={split_above!r}, identity={identity!r}, target_velocity={target_velocity!r}: "
+                "set objective.alpha_steps=null or those to null / eulerian / sample"
+            )
+        self.curriculum = build_curriculum(alpha_steps, alpha_min, type(self), MeanFlow)
         self.one_step_frac, self.two_step_frac = one_step_frac, two_step_frac
         self.adaptive_p, self.adaptive_c = adaptive_p, adaptive_c
         self.hf_weight = check_hf_weight(hf_weight)
@@ -380,50 +386,6 @@ class MeanFlow(nn.Module):
                 f"objective.teacher and objective.one_step_frac > 0, got teacher={teacher!r}, one_step_frac={one_step_frac!r}"
             )
         self.perceptual_weight, self.perceptual_t, self.perceptual_blocks = perceptual_weight, perceptual_t, perceptual_blocks
-
-    def _check_alpha(self, alpha_steps, alpha_min, split_above, identity, target_velocity):
-        if alpha_steps is None:
-            return None, alpha_min
-        steps = tuple(alpha_steps) if isinstance(alpha_steps, Sequence) and not isinstance(alpha_steps, str) else ()
-        ints = all(isinstance(k, int) and not isinstance(k, bool) for k in steps)
-        if not (len(steps) == 2 and ints and 0 <= steps[0] < steps[1]):
-            raise ValueError(
-                f"alpha_steps must be [start, end], steps with 0 <= start < end (alpha = 1 until start, alpha_min at end), "
-                f"or null (off), got {alpha_steps!r}"
-            )
-        if not 0 < alpha_min < 1:
-            raise ValueError(f"alpha_min must be in (0, 1) (alpha where the identity takes over), got {alpha_min!r}")
-        if split_above is not None or identity != "eulerian" or target_velocity != "sample":
-            raise ValueError(
-                "alpha_steps replaces the Eulerian identity's target during the curriculum; it does not combine with "
-                f"split_above={split_above!r}, identity={identity!r}, target_velocity={target_velocity!r}: "
-                "set objective.alpha_steps=null or those to null / eulerian / sample"
-            )
-        if type(self).phase is not MeanFlow.phase or type(self).loss is not MeanFlow.loss:
-            raise ValueError(
-                f"alpha_steps is an option of objective=meanflow and meanflow_distill, not of {type(self).__name__} "
-                "(its steps have kinds of their own); set objective.alpha_steps=null"
-            )
-        return steps, float(alpha_min)
-
-    def phase(self, step) -> str | None:
-        """The step's kind with the consistency curriculum: "alpha" (its discrete target) before alpha_steps[1], then
-        "identity"; None without it (one kind of step)."""
-        if self.alpha_steps is None:
-            return None
-        return "alpha" if int(step) < self.alpha_steps[1] else "identity"
-
-    def alpha(self, step, phase: str | None = None):
-        """The curriculum's alpha at `step` (an int, or a 0-dim tensor under CUDA graphs, which comes with its phase);
-        None in the identity's steps and without the curriculum (then no phase is asked for: a subclass's own phase(step)
-        reads its step on the host)."""
-        if self.alpha_steps is None or (phase or self.phase(step)) != "alpha":
-            return None
-        start, end = self.alpha_steps
-        if isinstance(step, torch.Tensor):
-            frac = ((step.float() - start) / (end - start)).clamp(0.0, 1.0)
-            return torch.pow(self.alpha_min, frac)
-        return self.alpha_min ** min(1.0, max(0.0, (step - start) / (end - start)))
 
     def sample_times(self, n: int, device, step=None) -> tuple[torch.Tensor, torch.Tensor]:
         """(t, r) with t >= r: two logit-normal draws sorted; a fraction r_zero gets r = 0, and of the others
@@ -661,8 +623,7 @@ class MeanFlow(nn.Module):
         # the curriculum: MeanFlow's loss of the residual / alpha, times alpha (its gradient tends to MeanFlow's)
         a = None if alpha is None else torch.where(t != r, alpha, 1.0)
         if a is not None:
-            # on the batch's device, as every metric: the loop all-reduces them (NCCL takes no CPU tensor); a fill, no copy
-            metrics["alpha"] = alpha.detach() if isinstance(alpha, torch.Tensor) else torch.full((), alpha, device=x.device)
+            metrics["alpha"] = alpha_metric(alpha, x.device)
         # ||u - u_tgt||^2 per sample (pixel-scale part weighted)
         sq = squared_error(err if a is None else err / bcast(a, err), self.hf_weights(n, x.device))
         k1 = self.one_step_count(n)

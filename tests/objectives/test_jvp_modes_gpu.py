@@ -53,7 +53,13 @@ def test_fused_bf16_step_matches_math_at_head_dim_72(objective_name):
 
 @pytest.mark.parametrize(
     "objective_name, options",
-    [("flow_matching", {}), ("meanflow", {}), ("meanflow", {"alpha_steps": [0, 10]}), ("scm", {})],
+    [
+        ("flow_matching", {}),
+        ("meanflow", {}),
+        ("meanflow", {"alpha_steps": [0, 10]}),
+        ("scm", {}),
+        ("scm", {"alpha_steps": [0, 10]}),
+    ],
 )
 def test_every_metric_lives_on_the_gpu(objective_name, options):
     """The loop all-reduces the objective's metrics over ranks, and NCCL takes no CPU tensor: each one on the batch's

@@ -148,6 +148,7 @@ def test_fsdp2_is_refused_with_the_reason_and_ddp_with_accumulation_is_not():
         ("flow_matching", 1, ["model.prediction=data", "objective.loss_t_min=0.05"]),
         # MeanFlow's consistency curriculum: alpha from the step tensor, one graph per kind of step (phase)
         ("meanflow", 1, ["objective.alpha_steps=[1,4]", "objective.alpha_min=0.1", "objective.tangent=model"]),
+        ("scm", 1, ["objective.alpha_steps=[1,4]", "objective.alpha_min=0.1"]),
     ],
 )
 def test_a_graphed_run_follows_the_eager_run(tmp_path, train_run, objective, grad_accum, extra):

@@ -270,10 +270,11 @@ def test_scm_bf16_gap_tables_an_scm_run_and_refuses_another(tmp_path, train_run,
         gap.main(["--ckpt", str(tmp_path / "fm"), "--device", "cpu"])
 
 
-def test_meanflows_consistency_curriculum_hands_over_and_resumes_exactly(tmp_path, train_run):
+@pytest.mark.parametrize("objective", ["meanflow", "scm"])
+def test_the_consistency_curriculum_hands_over_and_resumes_exactly(tmp_path, train_run, objective):
     """objective.alpha_steps: the loop passes each step's kind (phase) to the loss, the curriculum's steps log their
-    alpha and the identity's do not, and a run stopped inside the curriculum resumes bit-exactly past the handover."""
-    common = ["objective=meanflow", "objective.alpha_steps=[1,3]", "objective.alpha_min=0.1", "trainer.log_every=1"]
+    alpha and the JVP's do not, and a run stopped inside the curriculum resumes bit-exactly past the hand-over."""
+    common = [f"objective={objective}", "objective.alpha_steps=[1,3]", "objective.alpha_min=0.1", "trainer.log_every=1"]
     train_run(tmp_path / "whole", common + ["trainer.max_steps=4"])
     train_run(tmp_path / "split", common + ["trainer.max_steps=2", "trainer.ckpt_every=2"])
     train_run(tmp_path / "split", common + ["trainer.max_steps=4", "trainer.resume=auto"])
