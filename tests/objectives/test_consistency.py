@@ -9,6 +9,7 @@ import torch
 from flm.objectives import SCM
 from tests.models.tiny import tiny_dit
 from flm.objectives.consistency import SIN_MIN
+from tests.objectives.curriculum import gradient_distances
 from tests.objectives.toys import LabelVelocity, PointMassData, PointMassTrigFlow
 
 A = 0.7
@@ -237,21 +238,7 @@ def test_the_curriculums_tangent_is_the_finite_difference_of_f(alpha):
 def test_the_curriculums_gradient_tends_to_sCTs_as_alpha_falls(cfg_omega):
     """The finite difference's gradient is sCT's (at full warm-up) in the limit: < 1e-2 apart (relative L2) at alpha 1e-3,
     far more at 0.5; with guidance in training the step follows the guided dx_t/dt."""
-    torch.manual_seed(0)
-    x, y = torch.randn(8, 3, 8, 8), torch.randint(0, 10, (8,))
-
-    def grad(**kwargs):
-        model = tiny_dit(seed=1)
-        objective = SCM(warmup_steps=0, cfg_omega=cfg_omega, **kwargs)
-        torch.manual_seed(1)
-        loss, _ = objective.loss(model, x, y, step=1000)
-        return torch.cat([g.flatten() for g in torch.autograd.grad(loss, list(model.parameters()))])
-
-    g_sct = grad()
-    distance = {}
-    for alpha in (0.5, 1e-3):
-        g = grad(alpha_steps=[0, 2000], alpha_min=alpha**2)  # step 1000: alpha_min ** 0.5
-        distance[alpha] = ((g - g_sct).norm() / g_sct.norm()).item()
+    distance = gradient_distances(lambda **kw: SCM(warmup_steps=0, cfg_omega=cfg_omega, **kw), time_inputs=1)
     assert distance[1e-3] < 1e-2 and distance[0.5] > 5 * distance[1e-3], distance
 
 

@@ -14,6 +14,7 @@ from flm.objectives.frequency import squared_error
 from flm.objectives.paths import LinearPath
 from flm.objectives.teacher import teacher_velocity
 from tests.models.tiny import tiny_dit
+from tests.objectives.curriculum import gradient_distances
 from tests.objectives.toys import PointMassMeanFlow, PointMassVelocity
 
 A = 0.7
@@ -653,23 +654,7 @@ def test_the_curriculum_at_alpha_1_is_the_velocity():
 def test_the_curriculums_gradient_tends_to_meanflows_as_alpha_falls(tangent):
     """alpha sg(w) ||err / alpha||^2 has MeanFlow's gradient in the limit: its distance to it is O(alpha), < 1e-3 at
     alpha 1e-3 and far more at 0.5; the r = t samples (half of them) take v at every alpha."""
-    n = 8
-    torch.manual_seed(0)
-    x, y = torch.randn(n, 3, 8, 8), torch.randint(0, 10, (n,))
-
-    def loss_and_grad(**kwargs):
-        model = tiny_dit(time_inputs=2, seed=1)
-        objective = MeanFlow(r_neq_t=0.5, tangent=tangent, **kwargs)
-        torch.manual_seed(1)
-        loss, _ = objective.loss(model, x, y, step=1000)
-        loss.backward()
-        return torch.cat([p.grad.flatten() for p in model.parameters()])
-
-    grad_mf = loss_and_grad()
-    distance = {}
-    for alpha in (0.5, 1e-3):
-        grad = loss_and_grad(alpha_steps=[0, 2000], alpha_min=alpha**2)  # step 1000: alpha_min ** 0.5
-        distance[alpha] = ((grad - grad_mf).norm() / grad_mf.norm()).item()
+    distance = gradient_distances(lambda **kw: MeanFlow(r_neq_t=0.5, tangent=tangent, **kw), time_inputs=2)
     assert distance[1e-3] < 1e-3 and distance[0.5] > 10 * distance[1e-3], distance
 
 
