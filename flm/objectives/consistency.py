@@ -28,8 +28,9 @@ cos t df-/dt along the trajectory (at full warm-up), so before alpha_steps[1] it
 
     g = cos t (f-(x_t, t) - f-(x_s, s)) / (t - s),   s = (1 - alpha) t
 
-with x_s the DDIM step from x_t along dx_t/dt (the sample's own path point for the data's; the guided or the teacher's
-trajectory otherwise): discrete-time consistency training (or distillation, for sCD) with its step alpha t shrinking.
+with x_s the DDIM step from x_t along dx_t/dt (the sample's own path point for the data's; the guided trajectory with
+guidance in training): discrete-time consistency training with its step alpha t shrinking (sCD refuses it: on the toy
+its student drifted from the exact map, docs/quality.md).
 At alpha = 1, s = 0 and f(x_s, 0) is the clean image itself: the model learns to denoise in one jump. alpha falls
 geometrically to alpha_min, then the JVP's g takes over. No JVP in those steps: one more forward without gradient. The
 tangent warm-up applies to the JVP's steps only (the discrete target is a whole one at every alpha).
@@ -284,7 +285,7 @@ class SCM(Curricular, nn.Module):
         """The curriculum's g = cos t (f-(x_t, t) - f-(x_s, s)) / (t - s) at s = (1 - alpha) t: g is cos t df-/dt
         (Algorithm 1's g at full warm-up), here by a finite difference. x_s is the DDIM step from x_t along dx_t, x_s =
         cos s x0' + sin s z' with the x0' = cos t x_t - sin t dx_t and z' = sin t x_t + cos t dx_t that (x_t, dx_t)
-        imply: the sample's own path point for the data's dx_t/dt, the guided or teacher's trajectory otherwise. At
+        imply: the sample's own path point for the data's dx_t/dt, the guided trajectory with guidance in training. At
         alpha = 1, s = 0 and f(x_0, 0) = x0': the clean image itself."""
         x_t32, v = x_t.float(), dx_t.float()
         cos_t, sin_t = bcast(torch.cos(t), v), bcast(torch.sin(t), v)

@@ -100,6 +100,13 @@ class SCD(SCM):
         one_step_solver: str = "euler",
         **kwargs,
     ):
+        if kwargs.get("alpha_steps") is not None:
+            # the finite difference over the teacher's DDIM step left the toy's student 2-4x further from the exact map
+            # in 2 of 3 seeds (docs/quality.md, twenty-eighth day)
+            raise ValueError(
+                "alpha_steps (the consistency curriculum) is sCM's and MeanFlow's, not sCD's: on the toy it drove the "
+                "distilled student away from the exact map (docs/quality.md); set objective.alpha_steps=null"
+            )
         super().__init__(**kwargs)
         check_probability("one_step_frac", one_step_frac)
         if not (isinstance(one_step_mid, (int, float)) and 0 < one_step_mid < self.t_max):
@@ -141,7 +148,7 @@ class SCD(SCM):
         velocity = lambda x_s, s: teacher_velocity(teacher, x_s, s, y, self.teacher_cfg_scale)  # noqa: E731
         return trigflow_velocity(velocity, x_t, t, self.sigma_d)
 
-    def loss(self, model, x, y=None, *, step=0, phase=None, teacher, ema=None):
+    def loss(self, model, x, y=None, *, step=0, teacher, ema=None):
         y = drop_labels(model, y, self.label_dropout)
         t = lognormal_trigflow(x.shape[0], self.p_mean, self.p_std, self.sigma_d, device=x.device)
         k = round(self.one_step_frac * len(t))
@@ -155,8 +162,7 @@ class SCD(SCM):
             target_net = ema
         target = self.one_step_target(target_net, teacher, x_t[:k], dx_t[:k], None if y is None else y[:k]) if k else None
         hf_weight = first_k_hf_weight(len(t), k, self.hf_weight, self.hf_weight_one_step, x.device)
-        alpha = self.alpha(step, phase)
-        return self.consistency_loss(model, x_t, t, dx_t, y, step, target=target, hf_weight=hf_weight, alpha=alpha)
+        return self.consistency_loss(model, x_t, t, dx_t, y, step, target=target, hf_weight=hf_weight)
 
     def one_step_flow_times(self) -> torch.Tensor:
         """The flow-matching times s(t_max), ..., s(one_step_mid) of the teacher's ODE steps, uniform (float64)."""

@@ -249,6 +249,6 @@ def test_the_curriculums_step_kinds_and_its_refusals():
     assert [objective.phase(k) for k in (0, 299, 300)] == ["alpha", "alpha", "jvp"] and SCM().phase(5) is None
     with pytest.raises(ValueError, match="alpha_steps must be"):
         SCM(alpha_steps=[3, 1])
-    with pytest.raises(ValueError, match="alpha_steps is not an option of RCM"):
-        build_objective("rcm", teacher="unused", alpha_steps=[0, 10])
-    assert build_objective("scd", teacher="unused", alpha_steps=[0, 10]).phase(3) == "alpha"
+    for name in ("scd", "rcm"):  # sCD's students drifted from the toy's exact map with it (docs/quality.md)
+        with pytest.raises(ValueError, match="alpha_steps .* not sCD's"):
+            build_objective(name, teacher="unused", alpha_steps=[0, 10])
