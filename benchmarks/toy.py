@@ -19,6 +19,8 @@ A small MLP (`ToyNet`, the objectives' call model(x, t, r, y), the DiT's time em
     PYTHONPATH=. python benchmarks/toy.py --objective scm --steps 3000 --set warmup_steps=1000 --time-scale 1000
     PYTHONPATH=. python benchmarks/toy.py --objective flow_matching --steps 3000
     PYTHONPATH=. python benchmarks/toy.py --objective scd --steps 3000     # distilled from the exact velocity
+    PYTHONPATH=. python benchmarks/toy.py --objective meanflow --set adaptive_p=0 --set alpha_steps=[0,1000]  # curriculum
+    PYTHONPATH=. python benchmarks/toy.py --objective meanflow --cosine    # the lr decays to 0 at the last step
 
 sCD and rCM distil the exact marginal velocity of the linear path (`ExactTeacher`: the best teacher there
 is), so their 1-step map must converge to the exact flow map; their student and rCM's fake score start
