@@ -45,6 +45,8 @@ import time
 
 import torch
 
+from flm.log import read_metrics
+
 SAMPLER_STEPS = {
     "flow_matching": [50, 2],
     "meanflow": [1, 2],
@@ -75,15 +77,20 @@ def sh(args: list[str], log: str) -> str:
     return proc.stdout
 
 
-def steady_step_ms(run_dir: str) -> float:
+def logged_windows(run_dir: str) -> list[dict]:
+    """A run's logged windows (its metrics.jsonl records with a step time); at least two, the first holding compilation
+    and capture."""
+    rows = [r for r in read_metrics(run_dir) if "step_ms" in r]
+    if len(rows) < 2:
+        raise SystemExit(f"error: {run_dir}/metrics.jsonl has {len(rows)} logged windows; raise --probe-steps")
+    return rows
+
+
+def steady_step_ms(run_dir: str, rows: list[dict] | None = None) -> float:
     """The median ms/step of a run's logged windows after the first (which holds compilation and capture). Not the
     last window alone: a run's final window can be a few steps long and read 1-6 % slow (910 steps logged every
     50: 55.5-58.6 ms against 55.0-55.7 in the full windows of the same runs, docs/quality.md ninth day)."""
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    rows = [r for r in rows if "step_ms" in r]
-    if len(rows) < 2:
-        raise SystemExit(f"error: {run_dir}/metrics.jsonl has {len(rows)} logged windows; raise --probe-steps")
+    rows = logged_windows(run_dir) if rows is None else rows
     return statistics.median(r["step_ms"] for r in rows[1:])
 
 
@@ -92,10 +99,8 @@ def steady_gpu_seconds(run_dir: str) -> float:
     median of the others. A sum, not steps x median: a run whose steps change cost (MeanFlow's consistency curriculum,
     objective.alpha_steps, takes no JVP before its hand-over) is charged for each kind of step. A resumed run's first
     window (after a time budget's probe) holds its capture too, and is charged as logged."""
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    rows = [r for r in rows if "step_ms" in r]
-    median, total, last = steady_step_ms(run_dir), 0.0, 0
+    rows = logged_windows(run_dir)
+    median, total, last = steady_step_ms(run_dir, rows), 0.0, 0
     for i, r in enumerate(rows):
         total += (r["step"] - last) * (median if i == 0 else r["step_ms"])
         last = r["step"]
@@ -165,7 +170,7 @@ def run_objective(spec: str, args, group: str | None = None) -> dict:
             if probe >= end:
                 raise SystemExit(f"error: {name}'s curriculum ends at step {end}, inside the {probe}-step probe")
             identity_dir = f"{run_dir}-identity-probe"
-            plain = [a for a in train if not a.startswith(("run_dir=", "objective.alpha_steps="))]
+            plain = [a for a in train if not a.lstrip("+").startswith(("run_dir=", "objective.alpha_steps="))]
             sh(plain + [f"run_dir={identity_dir}", f"trainer.max_steps={probe}", "optim.decay=none"], log)
             ms_after = steady_step_ms(identity_dir)
         steps = max(probe, steps_for_budget(budget_s, steady_step_ms(run_dir), end, ms_after))
