@@ -63,7 +63,9 @@ from flm.objectives.curriculum import Curricular, alpha_metric, build_curriculum
 from flm.objectives.frequency import squared_error
 from flm.objectives.paths import (
     TrigFlowPath,
+    batch_velocity,
     bcast,
+    check_velocity_estimate,
     lognormal_trigflow,
     ramp,
     randn_per_image,
@@ -127,6 +129,8 @@ class SCM(Curricular, nn.Module):
         alpha_steps: (start, end) of the consistency curriculum (flm.objectives.curriculum; the module docstring):
             before end the discrete target of a step alpha t back along the trajectory, no JVP; None: off.
         alpha_min: alpha at alpha_steps[1], where the JVP target takes over.
+        velocity_estimate: dx_t/dt of the data: "sample" (cos t z - sin t x0, the paper's) or "batch" (its posterior mean
+            over the batch's images, flm.objectives.paths.batch_velocity: far less noisy near t_max).
     """
 
     time_inputs = 1
@@ -153,9 +157,11 @@ class SCM(Curricular, nn.Module):
         cfg_interval: tuple[float, float] | None = None,
         alpha_steps: tuple[int, int] | None = None,
         alpha_min: float = 5e-3,
+        velocity_estimate: str = "sample",
     ):
         super().__init__()
         check_std("sigma_d", sigma_d)
+        self.velocity_estimate = check_velocity_estimate(velocity_estimate)
         check_std("p_std", p_std)
         check_std("sigma_max", sigma_max)
         check_probability("label_dropout", label_dropout)
@@ -199,9 +205,11 @@ class SCM(Curricular, nn.Module):
         return (bcast(torch.cos(t), x_in) * x_in - x_hat) / bcast(torch.sin(t).clamp_min(SIN_MIN), x_in)
 
     def loss(self, model, x, y=None, *, step=0, phase=None):
-        y = drop_labels(model, y, self.label_dropout)
+        y, y_data = drop_labels(model, y, self.label_dropout), y
         t = lognormal_trigflow(x.shape[0], self.p_mean, self.p_std, self.sigma_d, device=x.device)
         s = self.path.sample(x, torch.randn_like(x), t)
+        if self.velocity_estimate == "batch":
+            s.dx_t = batch_velocity(self.path, x, s, y, y_data, num_classes(model))
         dx_t = s.dx_t if self.cfg_omega == 1.0 else self.guided_dxdt(model, s.x_t, t, s.dx_t, y)
         velocity_target = s.dx_t if self.velocity_head else None
         alpha = self.alpha(step, phase)

@@ -107,6 +107,11 @@ class SCD(SCM):
                 "alpha_steps (the consistency curriculum) is sCM's and MeanFlow's, not sCD's: on the toy it drove the "
                 "distilled student away from the exact map (docs/quality.md); set objective.alpha_steps=null"
             )
+        if kwargs.get("velocity_estimate", "sample") != "sample":
+            raise ValueError(
+                "velocity_estimate estimates the data's dx_t/dt from the batch, and sCD takes the teacher's: set "
+                "objective.velocity_estimate=sample"
+            )
         super().__init__(**kwargs)
         check_probability("one_step_frac", one_step_frac)
         if not (isinstance(one_step_mid, (int, float)) and 0 < one_step_mid < self.t_max):

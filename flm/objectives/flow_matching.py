@@ -12,9 +12,9 @@ the model predicts the velocity v = eps - x; samplers integrate dx/dt = v from t
 import torch
 from torch import nn
 
-from flm.objectives.guidance import check_cfg, check_interval, drop_labels, guided
+from flm.objectives.guidance import check_cfg, check_interval, drop_labels, guided, num_classes
 from flm.objectives.checks import check_probability, check_std
-from flm.objectives.paths import LinearPath, bcast, logit_normal, time_grid
+from flm.objectives.paths import LinearPath, batch_velocity, bcast, check_velocity_estimate, logit_normal, time_grid
 from flm.objectives.protocol import NO_NETWORKS
 
 SAMPLERS = ("euler", "heun")
@@ -32,6 +32,8 @@ class FlowMatching(nn.Module):
         loss_t_min: samples with t < loss_t_min weigh (t / loss_t_min)^2 in the loss. A data-predicting model
             (model.prediction=data) has velocity error ||x^ - x||^2 / t^2, whose weight this caps at 1 / loss_t_min^2 (JiT's
             clip, 0.05; uncapped, the rare t near 0 make the loss spike). 0: none (the velocity model's plain loss).
+        velocity_estimate: the regression target: "sample" (eps - x, the conditional velocity) or "batch" (its
+            posterior mean over the batch's images, flm.objectives.paths.batch_velocity: far less noisy near t = 1).
 
     No parameters or state; it is an nn.Module so that every objective moves and saves alike.
     """
@@ -50,8 +52,10 @@ class FlowMatching(nn.Module):
         sampler: str = "euler",
         cfg_interval: tuple[float, float] | None = None,
         loss_t_min: float = 0.0,
+        velocity_estimate: str = "sample",
     ):
         super().__init__()
+        self.velocity_estimate = check_velocity_estimate(velocity_estimate)
         check_std("t_std", t_std)
         check_probability("label_dropout", label_dropout)
         if sampler not in SAMPLERS:
@@ -64,9 +68,11 @@ class FlowMatching(nn.Module):
         self.path = LinearPath()
 
     def loss(self, model, x, y=None, *, step: int = 0):
-        y = drop_labels(model, y, self.label_dropout)
+        y, y_data = drop_labels(model, y, self.label_dropout), y
         t = logit_normal(x.shape[0], self.t_mean, self.t_std, device=x.device)
         s = self.path.sample(x, torch.randn_like(x), t)
+        if self.velocity_estimate == "batch":
+            s.dx_t = batch_velocity(self.path, x, s, y, y_data, num_classes(model))
         v = model(s.x_t, t, None, y)
         error = (v.float() - s.dx_t).square()
         if self.loss_t_min > 0:

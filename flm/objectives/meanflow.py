@@ -131,7 +131,15 @@ from flm.objectives.adversarial import AdversarialRegularised
 from flm.objectives.curriculum import Curricular, alpha_metric, build_curriculum
 from flm.objectives.dmd import DMDRegularised
 from flm.objectives.frequency import first_k_hf_weight, squared_error
-from flm.objectives.paths import LinearPath, bcast, logit_normal, ramp, time_grid
+from flm.objectives.paths import (
+    LinearPath,
+    batch_velocity,
+    bcast,
+    check_velocity_estimate,
+    logit_normal,
+    ramp,
+    time_grid,
+)
 from flm.objectives.protocol import NO_NETWORKS, Network
 from flm.objectives.teacher import feature_blocks, load_teacher, teacher_features, teacher_velocity
 
@@ -216,6 +224,9 @@ class MeanFlow(Curricular, nn.Module):
             (flm.objectives.guidance); null: at every t.
         mid_t: intermediate times of few-step sampling, decreasing in (0, 1), used when steps == len(mid_t) + 1
             (e.g. (0.6,) for 2 steps); other step counts, and () (the default), space the jumps uniformly.
+        velocity_estimate: v of the data: "sample" (eps - x, the conditional velocity, the paper's) or "batch" (its
+            posterior mean over the batch's images, flm.objectives.paths.batch_velocity: far less noisy near t = 1,
+            where the long intervals start), in the target, the tangent and guidance in training alike.
 
     No parameters or state.
     """
@@ -262,9 +273,16 @@ class MeanFlow(Curricular, nn.Module):
         teacher_cfg_scale: float = 1.0,
         cfg_interval: tuple[float, float] | None = None,
         mid_t: tuple[float, ...] = (),
+        velocity_estimate: str = "sample",
     ):
         super().__init__()
         check_std("t_std", t_std)
+        self.velocity_estimate = check_velocity_estimate(velocity_estimate)
+        if velocity_estimate != "sample" and teacher:
+            raise ValueError(
+                f"velocity_estimate={velocity_estimate} estimates v from the batch's images, and a teacher's velocity "
+                "replaces v: set objective.velocity_estimate=sample with objective.teacher"
+            )
         mid_t = tuple(float(t) for t in mid_t)
         if any(not 0 < t < 1 for t in mid_t) or any(a <= b for a, b in zip(mid_t, mid_t[1:])):
             raise ValueError(f"mid_t must be decreasing times in (0, 1) (1 is noise), got {mid_t}")
@@ -449,6 +467,8 @@ class MeanFlow(Curricular, nn.Module):
         y_in = drop_labels(model, y, self.label_dropout)
         t, r = self.sample_times(x.shape[0], x.device, step)
         s = self.path.sample(x, torch.randn_like(x), t)
+        if self.velocity_estimate == "batch":
+            s.dx_t = batch_velocity(self.path, x, s, y_in, y, num_classes(model))
         if self.identity == "lagrangian":
             # at r = t the end point X is z_t itself: u_tgt is the velocity there
             def diagonal(u, i):
