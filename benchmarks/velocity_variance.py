@@ -22,7 +22,7 @@ import math
 import torch
 
 from flm.data import build_dataset
-from flm.objectives.paths import LinearPath, batch_velocity
+from flm.objectives.paths import LinearPath, batch_posterior, batch_velocity
 
 
 def exact_velocity(z, t, y_in, images, labels, null, chunk: int = 8192):
@@ -90,10 +90,10 @@ def main(argv=None):
             t = torch.full((args.batch,), t_value, dtype=torch.float64)
             s = path.sample(x, torch.randn_like(x), t)
             v_star = exact_velocity(s.x_t, t, y_in, images, labels, null)
-            v_batch = batch_velocity(x, s, y_in, y, null)
+            v_batch = batch_velocity(path, x, s, y_in, y, null)
             cond += (s.dx_t - v_star).square().mean().item() / args.batches
             est += (v_batch - v_star).square().mean().item() / args.batches
-            ess += effective_images(x, s, y_in, y, null).mean().item() / args.batches
+            ess += (1 / batch_posterior(path, x, s, y_in, y, null).square().sum(1)).mean().item() / args.batches
             for k, n in enumerate(sizes):
                 more = torch.randint(0, len(images), (n - args.batch,))
                 refs, ref_labels = torch.cat([x, images[more]]), torch.cat([y, labels[more]])
@@ -115,18 +115,6 @@ def main(argv=None):
         f"| proposal logit-normal({args.t_mean:g}, {args.t_std:g}) | {mean[0]:.4f} | {mean[1]:.4f} | "
         f"{mean[1] / mean[0]:.3f} | |{cells}"
     )
-
-
-def effective_images(x0, s, y_in, y, null):
-    """1 / sum_j w_ij^2 of batch_velocity's weights, per sample."""
-    t = s.t.double()
-    z, x = s.x_t.flatten(1).double(), x0.flatten(1).double()
-    a = (1 - t)[:, None]
-    logits = -(z.square().sum(1, keepdim=True) - 2 * a * (z @ x.T) + a.square() * x.square().sum(1)[None, :])
-    logits = logits / (2 * t.square()[:, None])
-    same = (y_in[:, None] == y[None, :]) | (y_in == null)[:, None]
-    w = torch.softmax(logits.masked_fill(~same, -math.inf), dim=1)
-    return 1 / w.square().sum(1)
 
 
 if __name__ == "__main__":

@@ -471,3 +471,20 @@ def test_read_metrics_drops_a_last_line_cut_off_and_refuses_a_damaged_one(tmp_pa
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "lo\n{"step": 2, "loss": 2.0}\n')
     with pytest.raises(ValueError, match="a line is not JSON"):
         read_metrics(str(tmp_path))
+
+
+def test_velocity_variance_measures_both_estimates_against_the_exact_marginal_velocity(capsys):
+    """On the shipped MNIST digits: eps - x0 is v* itself near the data, and near noise the batch's estimate is far
+    closer to v* than eps - x0, and more references closer still."""
+    load("velocity_variance").main(
+        ["--dataset", "mnist_shipped", "--batch", "64", "--batches", "1", "--times", "0.2,0.95", "--references", "512"]
+    )
+    rows = {
+        r[1].strip(): [float(c) for c in r[2:-1] if c.strip()]
+        for r in (line.split("|") for line in capsys.readouterr().out.splitlines())
+        if len(r) > 2 and r[1].strip().replace(".", "").isdigit()
+    }
+    cond, est, ratio, ess, banked, banked_ratio = rows["0.95"]
+    assert cond > 0.1 and ratio < 0.5 and ess > 2 and banked_ratio < ratio
+    cond, est, *_ = rows["0.2"]
+    assert cond < 1e-6 and est < 1e-6

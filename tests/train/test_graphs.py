@@ -149,6 +149,9 @@ def test_fsdp2_is_refused_with_the_reason_and_ddp_with_accumulation_is_not():
         # MeanFlow's consistency curriculum: alpha from the step tensor, one graph per kind of step (phase)
         ("meanflow", 1, ["objective.alpha_steps=[1,4]", "objective.alpha_min=0.1", "objective.tangent=model"]),
         ("scm", 1, ["objective.alpha_steps=[1,4]", "objective.alpha_min=0.1"]),
+        # the batch's posterior velocity: a float64 (B, B) matmul and a masked softmax inside the capture
+        ("meanflow", 1, ["objective.velocity_estimate=batch"]),
+        ("flow_matching", 1, ["objective.velocity_estimate=batch"]),
     ],
 )
 def test_a_graphed_run_follows_the_eager_run(tmp_path, train_run, objective, grad_accum, extra):
