@@ -7,7 +7,7 @@ training batches as the loop does (labels dropped to the null class at --label-d
 over that class's images), and prints per time t the mean squared distance per pixel to v* of
 
 - the conditional velocity eps - x0 (`objective.velocity_estimate=sample`, the papers'),
-- the batch's estimate (`objective.velocity_estimate=batch`, flm.objectives.paths.batch_velocity: the posterior over
+- the batch's estimate (`objective.velocity_estimate=batch`, flm.objectives.posterior.batch_velocity: the posterior over
   the batch's own images),
 
 and the effective number of batch images in that estimate (1 / sum w^2; 1: the sample's own image alone). The last
@@ -22,7 +22,8 @@ import math
 import torch
 
 from flm.data import build_dataset
-from flm.objectives.paths import LinearPath, batch_posterior, batch_velocity
+from flm.objectives.paths import LinearPath
+from flm.objectives.posterior import batch_posterior, batch_velocity
 
 
 def exact_velocity(z, t, y_in, images, labels, null, chunk: int = 8192):

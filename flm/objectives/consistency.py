@@ -63,13 +63,12 @@ from flm.objectives.curriculum import Curricular, alpha_metric, build_curriculum
 from flm.objectives.frequency import squared_error
 from flm.objectives.paths import (
     TrigFlowPath,
-    batch_velocity,
     bcast,
-    check_velocity_estimate,
     lognormal_trigflow,
     ramp,
     randn_per_image,
 )
+from flm.objectives.posterior import DataVelocity
 from flm.objectives.protocol import NO_NETWORKS
 
 # F = (cos t x_t / sigma_d - x^) / max(sin t, SIN_MIN) for a data-predicting model: the floor bounds F's 1 / sin t and its
@@ -130,8 +129,10 @@ class SCM(Curricular, nn.Module):
             before end the discrete target of a step alpha t back along the trajectory, no JVP; None: off.
         alpha_min: alpha at alpha_steps[1], where the JVP target takes over.
         velocity_estimate: dx_t/dt of the data: "sample" (cos t z - sin t x0, the paper's) or "batch" (its posterior mean
-            over the batch's images, flm.objectives.paths.batch_velocity: far less noisy near t_max, yet on the toy it
-            trained sCM 1.8x further from the exact map, as sCD's exact velocity does; docs/quality.md).
+            over the batch's images, flm.objectives.posterior: far less noisy near t_max, yet on the toy it trained sCM
+            1.8x further from the exact map, as sCD's exact velocity does; docs/quality.md).
+        velocity_references: with velocity_estimate=batch, this many earlier training images as further references
+            (flm.objectives.posterior.ReferenceBank, saved with the objective); 0: the batch alone.
     """
 
     time_inputs = 1
@@ -159,10 +160,11 @@ class SCM(Curricular, nn.Module):
         alpha_steps: tuple[int, int] | None = None,
         alpha_min: float = 5e-3,
         velocity_estimate: str = "sample",
+        velocity_references: int = 0,
     ):
         super().__init__()
         check_std("sigma_d", sigma_d)
-        self.velocity_estimate = check_velocity_estimate(velocity_estimate)
+        self.velocity_estimate, self.data_velocity = velocity_estimate, DataVelocity(velocity_estimate, velocity_references)
         check_std("p_std", p_std)
         check_std("sigma_max", sigma_max)
         check_probability("label_dropout", label_dropout)
@@ -209,8 +211,7 @@ class SCM(Curricular, nn.Module):
         y, y_data = drop_labels(model, y, self.label_dropout), y
         t = lognormal_trigflow(x.shape[0], self.p_mean, self.p_std, self.sigma_d, device=x.device)
         s = self.path.sample(x, torch.randn_like(x), t)
-        if self.velocity_estimate == "batch":
-            s.dx_t = batch_velocity(self.path, x, s, y, y_data, num_classes(model))
+        s.dx_t = self.data_velocity(self.path, x, s, y, y_data, num_classes(model), step)
         dx_t = s.dx_t if self.cfg_omega == 1.0 else self.guided_dxdt(model, s.x_t, t, s.dx_t, y)
         velocity_target = s.dx_t if self.velocity_head else None
         alpha = self.alpha(step, phase)

@@ -107,7 +107,7 @@ class SCD(SCM):
                 "alpha_steps (the consistency curriculum) is sCM's and MeanFlow's, not sCD's: on the toy it drove the "
                 "distilled student away from the exact map (docs/quality.md); set objective.alpha_steps=null"
             )
-        if kwargs.get("velocity_estimate", "sample") != "sample":
+        if kwargs.get("velocity_estimate", "sample") != "sample" or kwargs.get("velocity_references"):
             raise ValueError(
                 "velocity_estimate estimates the data's dx_t/dt from the batch, and sCD takes the teacher's: set "
                 "objective.velocity_estimate=sample"

@@ -14,7 +14,8 @@ from torch import nn
 
 from flm.objectives.guidance import check_cfg, check_interval, drop_labels, guided, num_classes
 from flm.objectives.checks import check_probability, check_std
-from flm.objectives.paths import LinearPath, batch_velocity, bcast, check_velocity_estimate, logit_normal, time_grid
+from flm.objectives.paths import LinearPath, bcast, logit_normal, time_grid
+from flm.objectives.posterior import DataVelocity
 from flm.objectives.protocol import NO_NETWORKS
 
 SAMPLERS = ("euler", "heun")
@@ -33,7 +34,9 @@ class FlowMatching(nn.Module):
             (model.prediction=data) has velocity error ||x^ - x||^2 / t^2, whose weight this caps at 1 / loss_t_min^2 (JiT's
             clip, 0.05; uncapped, the rare t near 0 make the loss spike). 0: none (the velocity model's plain loss).
         velocity_estimate: the regression target: "sample" (eps - x, the conditional velocity) or "batch" (its
-            posterior mean over the batch's images, flm.objectives.paths.batch_velocity: far less noisy near t = 1).
+            posterior mean over the batch's images, flm.objectives.posterior: far less noisy near t = 1).
+        velocity_references: with velocity_estimate=batch, this many earlier training images as further references
+            (flm.objectives.posterior.ReferenceBank, saved with the objective); 0: the batch alone.
 
     No parameters or state; it is an nn.Module so that every objective moves and saves alike.
     """
@@ -53,9 +56,10 @@ class FlowMatching(nn.Module):
         cfg_interval: tuple[float, float] | None = None,
         loss_t_min: float = 0.0,
         velocity_estimate: str = "sample",
+        velocity_references: int = 0,
     ):
         super().__init__()
-        self.velocity_estimate = check_velocity_estimate(velocity_estimate)
+        self.velocity_estimate, self.data_velocity = velocity_estimate, DataVelocity(velocity_estimate, velocity_references)
         check_std("t_std", t_std)
         check_probability("label_dropout", label_dropout)
         if sampler not in SAMPLERS:
@@ -71,8 +75,7 @@ class FlowMatching(nn.Module):
         y, y_data = drop_labels(model, y, self.label_dropout), y
         t = logit_normal(x.shape[0], self.t_mean, self.t_std, device=x.device)
         s = self.path.sample(x, torch.randn_like(x), t)
-        if self.velocity_estimate == "batch":
-            s.dx_t = batch_velocity(self.path, x, s, y, y_data, num_classes(model))
+        s.dx_t = self.data_velocity(self.path, x, s, y, y_data, num_classes(model), step)
         v = model(s.x_t, t, None, y)
         error = (v.float() - s.dx_t).square()
         if self.loss_t_min > 0:

@@ -131,15 +131,8 @@ from flm.objectives.adversarial import AdversarialRegularised
 from flm.objectives.curriculum import Curricular, alpha_metric, build_curriculum
 from flm.objectives.dmd import DMDRegularised
 from flm.objectives.frequency import first_k_hf_weight, squared_error
-from flm.objectives.paths import (
-    LinearPath,
-    batch_velocity,
-    bcast,
-    check_velocity_estimate,
-    logit_normal,
-    ramp,
-    time_grid,
-)
+from flm.objectives.paths import LinearPath, bcast, logit_normal, ramp, time_grid
+from flm.objectives.posterior import DataVelocity
 from flm.objectives.protocol import NO_NETWORKS, Network
 from flm.objectives.teacher import feature_blocks, load_teacher, teacher_features, teacher_velocity
 
@@ -225,8 +218,10 @@ class MeanFlow(Curricular, nn.Module):
         mid_t: intermediate times of few-step sampling, decreasing in (0, 1), used when steps == len(mid_t) + 1
             (e.g. (0.6,) for 2 steps); other step counts, and () (the default), space the jumps uniformly.
         velocity_estimate: v of the data: "sample" (eps - x, the conditional velocity, the paper's) or "batch" (its
-            posterior mean over the batch's images, flm.objectives.paths.batch_velocity: far less noisy near t = 1,
-            where the long intervals start), in the target, the tangent and guidance in training alike.
+            posterior mean over the batch's images, flm.objectives.posterior: far less noisy near t = 1, where the long
+            intervals start), in the target, the tangent and guidance in training alike.
+        velocity_references: with velocity_estimate=batch, this many earlier training images as further references
+            (flm.objectives.posterior.ReferenceBank, saved with the objective); 0: the batch alone.
 
     No parameters or state.
     """
@@ -274,10 +269,11 @@ class MeanFlow(Curricular, nn.Module):
         cfg_interval: tuple[float, float] | None = None,
         mid_t: tuple[float, ...] = (),
         velocity_estimate: str = "sample",
+        velocity_references: int = 0,
     ):
         super().__init__()
         check_std("t_std", t_std)
-        self.velocity_estimate = check_velocity_estimate(velocity_estimate)
+        self.velocity_estimate, self.data_velocity = velocity_estimate, DataVelocity(velocity_estimate, velocity_references)
         if velocity_estimate != "sample" and teacher:
             raise ValueError(
                 f"velocity_estimate={velocity_estimate} estimates v from the batch's images, and a teacher's velocity "
@@ -467,8 +463,7 @@ class MeanFlow(Curricular, nn.Module):
         y_in = drop_labels(model, y, self.label_dropout)
         t, r = self.sample_times(x.shape[0], x.device, step)
         s = self.path.sample(x, torch.randn_like(x), t)
-        if self.velocity_estimate == "batch":
-            s.dx_t = batch_velocity(self.path, x, s, y_in, y, num_classes(model))
+        s.dx_t = self.data_velocity(self.path, x, s, y_in, y, num_classes(model), step)
         if self.identity == "lagrangian":
             # at r = t the end point X is z_t itself: u_tgt is the velocity there
             def diagonal(u, i):

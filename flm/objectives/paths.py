@@ -34,7 +34,7 @@ class LinearPath:
         return PathSample(x_t=(1 - t_) * x0 + t_ * eps, dx_t=eps - x0, t=t)
 
     def coefficients(self, t: torch.Tensor):
-        """(alpha_t, sigma_t, k_t) of x_t = alpha x0 + sigma eps, k = sigma' alpha / sigma - alpha' (batch_velocity)."""
+        """(alpha_t, sigma_t, k_t) of x_t = alpha x0 + sigma eps, k = sigma' alpha / sigma - alpha' (flm.objectives.posterior)."""
         t = t.double().clamp_min(1e-12)
         return 1 - t, t, 1 / t
 
@@ -51,49 +51,9 @@ class TrigFlowPath:
         return PathSample(x_t=cos_t * x0 + sin_t * z, dx_t=cos_t * z - sin_t * x0, t=t)
 
     def coefficients(self, t: torch.Tensor):
-        """(alpha_t, sigma_t, k_t) of x_t = alpha x0 + sigma eps, k = sigma' alpha / sigma - alpha' (batch_velocity)."""
+        """(alpha_t, sigma_t, k_t) of x_t = alpha x0 + sigma eps, k = sigma' alpha / sigma - alpha' (flm.objectives.posterior)."""
         sin_t = torch.sin(t.double()).clamp_min(1e-12)
         return torch.cos(t.double()), self.sigma_d * sin_t, 1 / sin_t
-
-
-VELOCITY_ESTIMATES = ("sample", "batch")
-
-
-def check_velocity_estimate(value: str) -> str:
-    if value not in VELOCITY_ESTIMATES:
-        raise ValueError(f"unknown velocity_estimate {value!r}; valid: {', '.join(VELOCITY_ESTIMATES)}")
-    return value
-
-
-def batch_velocity(path, x0: torch.Tensor, s: PathSample, y_in=None, y=None, null: int | None = None) -> torch.Tensor:
-    """The batch's estimate of the marginal velocity E[dx_t/dt | x_t] (a stable target field), in place of dx_t.
-
-    On a path x_t = alpha_t x0 + sigma_t n, each x_t is scored against every image x0_j of the batch as its clean image
-    (batch_posterior), E[x0 | x_t] ~ x^_i = sum_j w_ij x0_j, and as the velocity is linear in x0 at fixed x_t,
-    v_i = dx_t_i + k_i (x0_i - x^_i) with k = sigma' alpha / sigma - alpha' (1 / t on the linear path, 1 / sin t on
-    TrigFlow). Where the sample's own image dominates (small t) this is the conditional velocity; near noise, where that
-    is noisiest, it is the velocity of the batch's mixture (on MNIST: 7-30x closer to the training set's exact marginal
-    velocity at t >= 0.9, benchmarks/velocity_variance.py). y_in / y / null: the labels after and before label dropout
-    and the null class; a sample with a class label is scored against that class's images alone."""
-    k = path.coefficients(s.t)[2].double()[:, None]
-    x = x0.flatten(1).double()
-    x_hat = batch_posterior(path, x0, s, y_in, y, null) @ x
-    shift = k * (x - x_hat)  # no cancellation at small t: x - x^ -> 0 as fast as k grows
-    return s.dx_t + shift.to(s.dx_t.dtype).view_as(s.dx_t)
-
-
-def batch_posterior(path, x0: torch.Tensor, s: PathSample, y_in=None, y=None, null: int | None = None) -> torch.Tensor:
-    """(B, B) weights w_ij = softmax_j(-||x_t_i - alpha_i x0_j||^2 / (2 sigma_i^2)): how likely each batch image is as
-    x_t_i's clean image (batch_velocity's arguments). Distances in float64: the expansion ||a||^2 - 2 a.b + ||b||^2 is
-    exact enough there, and one (B, B) matmul is cheap."""
-    alpha, sigma, _ = (c.double()[:, None] for c in path.coefficients(s.t))
-    z, x = s.x_t.flatten(1).double(), x0.flatten(1).double()
-    dist = z.square().sum(1, keepdim=True) - 2 * alpha * (z @ x.T) + alpha.square() * x.square().sum(1)[None, :]
-    logits = -dist / (2 * sigma.square().clamp_min(1e-12))
-    if y_in is not None:  # a dropped label sees every image; the sample's own image is always of its class
-        same = (y_in[:, None] == y[None, :]) | (y_in == null)[:, None]
-        logits = logits.masked_fill(~same, -torch.inf)
-    return torch.softmax(logits, dim=1)
 
 
 # --------------------------------------------------------------------------------------------

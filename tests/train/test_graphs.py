@@ -152,6 +152,8 @@ def test_fsdp2_is_refused_with_the_reason_and_ddp_with_accumulation_is_not():
         # the batch's posterior velocity: a float64 (B, B) matmul and a masked softmax inside the capture
         ("meanflow", 1, ["objective.velocity_estimate=batch"]),
         ("flow_matching", 1, ["objective.velocity_estimate=batch"]),
+        # its bank of earlier batches: the step's block written in place inside the capture, micro-batch by micro-batch
+        ("meanflow", 2, ["objective.velocity_estimate=batch", "objective.velocity_references=64"]),
     ],
 )
 def test_a_graphed_run_follows_the_eager_run(tmp_path, train_run, objective, grad_accum, extra):

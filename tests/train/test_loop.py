@@ -285,3 +285,29 @@ def test_the_consistency_curriculum_hands_over_and_resumes_exactly(tmp_path, tra
     split = checkpoint.load(str(tmp_path / "split" / "checkpoints" / "ckpt-00000004.pt"))
     for key in ("model", "ema", "optimizer"):
         assert_same_state(whole[key], split[key], key)
+
+
+def test_a_run_with_a_reference_bank_resumes_bit_exactly_and_samples(tmp_path, train_run):
+    """objective.velocity_references: the bank of earlier batches is objective state, saved in the checkpoint, so a
+    stopped run resumes bit-exactly (with accumulation, whose micro-batches share their step's block), and the run's
+    generator loads it as any other objective state."""
+    from flm.train.generator import load_generator
+
+    common = [
+        "objective=meanflow",
+        "objective.velocity_estimate=batch",
+        "objective.velocity_references=16",
+        "trainer.grad_accum=2",
+        "trainer.ckpt_every=3",
+    ]
+    train_run(tmp_path / "whole", common + ["trainer.max_steps=6"])
+    train_run(tmp_path / "split", common + ["trainer.max_steps=3"])
+    train_run(tmp_path / "split", common + ["trainer.max_steps=6", "trainer.resume=auto"])
+    whole = checkpoint.load(str(tmp_path / "whole" / "checkpoints" / "ckpt-00000006.pt"))
+    split = checkpoint.load(str(tmp_path / "split" / "checkpoints" / "ckpt-00000006.pt"))
+    for key in ("model", "ema", "optimizer", "objective"):
+        assert_same_state(whole[key], split[key], key)
+    assert whole["objective"]["data_velocity.bank.written"].sum() == 6  # a block per step, shared by its micro-batches
+    model, objective = load_generator(whole)
+    images = objective.sample(model, torch.randn(2, 1, 28, 28), torch.tensor([3, 4]), steps=1)
+    assert images.shape == (2, 1, 28, 28) and torch.isfinite(images).all()
