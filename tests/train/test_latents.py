@@ -14,7 +14,7 @@ from flm.train import checkpoint
 
 from ..metrics.standin import save_standin
 from .conftest import TINY, load_entry, run_script
-from .test_loop import assert_same_state
+from .test_loop import assert_same_state, whole_and_resumed
 
 RES = 16  # images 16 x 16 -> latents 4 x 8 x 8
 
@@ -127,11 +127,7 @@ def test_a_latent_run_resumes_bit_exactly(world, tmp_path, train_run):
         "trainer.ema_sigma_rels=[0.1]",
         "data.num_workers=0",
     ]
-    train_run(tmp_path / "whole", common + ["trainer.max_steps=4"])
-    train_run(tmp_path / "split", common + ["trainer.max_steps=2"])
-    train_run(tmp_path / "split", common + ["trainer.max_steps=4", "trainer.resume=auto"])
-    a = checkpoint.load(str(tmp_path / "whole" / "checkpoints" / "ckpt-00000004.pt"))
-    b = checkpoint.load(str(tmp_path / "split" / "checkpoints" / "ckpt-00000004.pt"))
+    a, b = whole_and_resumed(tmp_path, train_run, common, steps=4, stop=2)
     for part in ("model", "ema", "optimizer", "data", "rng", "step"):
         assert_same_state(a[part], b[part], part)
 

@@ -38,6 +38,15 @@ def assert_same_state(a, b, path=""):
         assert a == b, f"{path}: {a} != {b}"
 
 
+def whole_and_resumed(tmp_path, train_run, common, *, steps: int, stop: int):
+    """The last checkpoints of a run of `steps` steps and of the same run stopped after `stop` and resumed."""
+    train_run(tmp_path / "whole", common + [f"trainer.max_steps={steps}"])
+    train_run(tmp_path / "split", common + [f"trainer.max_steps={stop}"])
+    train_run(tmp_path / "split", common + [f"trainer.max_steps={steps}", "trainer.resume=auto"])
+    name = f"ckpt-{steps:08d}.pt"
+    return tuple(checkpoint.load(str(tmp_path / run / "checkpoints" / name)) for run in ("whole", "split"))
+
+
 def test_stop_and_resume_is_bit_exact(tmp_path, train_run):
     # sCM: trainable objective parameters and a step-dependent tangent warm-up; two EMAs; accumulation
     common = [
@@ -49,11 +58,7 @@ def test_stop_and_resume_is_bit_exact(tmp_path, train_run):
         "trainer.ckpt_every=3",
         "trainer.keep_last=1",
     ]
-    train_run(tmp_path / "whole", common + ["trainer.max_steps=6"])
-    train_run(tmp_path / "split", common + ["trainer.max_steps=3"])
-    train_run(tmp_path / "split", common + ["trainer.max_steps=6", "trainer.resume=auto"])
-    whole = checkpoint.load(str(tmp_path / "whole" / "checkpoints" / "ckpt-00000006.pt"))
-    split = checkpoint.load(str(tmp_path / "split" / "checkpoints" / "ckpt-00000006.pt"))
+    whole, split = whole_and_resumed(tmp_path, train_run, common, steps=6, stop=3)
     assert len(checkpoint.list_checkpoints(str(tmp_path / "split"))) == 1  # keep_last
     for key in ("model", "ema", "optimizer", "scheduler", "objective", "data", "rng", "nonfinite", "step"):
         assert_same_state(whole[key], split[key], key)
@@ -275,14 +280,10 @@ def test_the_consistency_curriculum_hands_over_and_resumes_exactly(tmp_path, tra
     """objective.alpha_steps: the loop passes each step's kind (phase) to the loss, the curriculum's steps log their
     alpha and the JVP's do not, and a run stopped inside the curriculum resumes bit-exactly past the hand-over."""
     common = [f"objective={objective}", "objective.alpha_steps=[1,3]", "objective.alpha_min=0.1", "trainer.log_every=1"]
-    train_run(tmp_path / "whole", common + ["trainer.max_steps=4"])
-    train_run(tmp_path / "split", common + ["trainer.max_steps=2", "trainer.ckpt_every=2"])
-    train_run(tmp_path / "split", common + ["trainer.max_steps=4", "trainer.resume=auto"])
+    whole, split = whole_and_resumed(tmp_path, train_run, common + ["trainer.ckpt_every=2"], steps=4, stop=2)
     metrics = read_metrics(tmp_path / "whole")
     assert [m.get("alpha") for m in metrics[:3]] == pytest.approx([1.0, 1.0, 0.1**0.5])
     assert "alpha" not in metrics[3]
-    whole = checkpoint.load(str(tmp_path / "whole" / "checkpoints" / "ckpt-00000004.pt"))
-    split = checkpoint.load(str(tmp_path / "split" / "checkpoints" / "ckpt-00000004.pt"))
     for key in ("model", "ema", "optimizer"):
         assert_same_state(whole[key], split[key], key)
 
@@ -300,11 +301,7 @@ def test_a_run_with_a_reference_bank_resumes_bit_exactly_and_samples(tmp_path, t
         "trainer.grad_accum=2",
         "trainer.ckpt_every=3",
     ]
-    train_run(tmp_path / "whole", common + ["trainer.max_steps=6"])
-    train_run(tmp_path / "split", common + ["trainer.max_steps=3"])
-    train_run(tmp_path / "split", common + ["trainer.max_steps=6", "trainer.resume=auto"])
-    whole = checkpoint.load(str(tmp_path / "whole" / "checkpoints" / "ckpt-00000006.pt"))
-    split = checkpoint.load(str(tmp_path / "split" / "checkpoints" / "ckpt-00000006.pt"))
+    whole, split = whole_and_resumed(tmp_path, train_run, common, steps=6, stop=3)
     for key in ("model", "ema", "optimizer", "objective"):
         assert_same_state(whole[key], split[key], key)
     assert whole["objective"]["data_velocity.bank.written"].sum() == 6  # a block per step, shared by its micro-batches
