@@ -106,6 +106,10 @@ class SCM(Curricular, nn.Module):
             pixel-scale part of the update counts (1 + hf_weight) times; 0 (the default) is the paper's loss.
         warmup_steps: tangent warm-up length in training steps (paper: 10k); 0 turns it off.
         logvar_channels: Fourier features of the adaptive-weighting head.
+        adaptive_weighting: the paper's learned weight exp(-logvar(t)) (+ logvar(t)) on each sample's loss; False: the
+            plain mean. The weight rescales each time's loss to about one, so a step's size no longer shrinks as the
+            error does; with an exact velocity (sCD; sCM with velocity_estimate=batch) that left the toy's map 5-15x
+            further from the exact one than without it (docs/quality.md, twenty-ninth day).
         label_dropout: probability of the null label (CFG training); classes read from the model.
         cfg_omega: guidance in training (MeanFlow's eq. 19 with kappa = 0, on TrigFlow): dx_t/dt becomes
             omega dx_t/dt + (1 - omega) v_null, one more forward without gradient, in the target and the JVP tangent
@@ -150,6 +154,7 @@ class SCM(Curricular, nn.Module):
         hf_weight: float = 0.0,
         warmup_steps: int = 10_000,
         logvar_channels: int = 128,
+        adaptive_weighting: bool = True,
         label_dropout: float = 0.1,
         cfg_omega: float = 1.0,
         velocity_weight: float = 0.0,
@@ -186,7 +191,8 @@ class SCM(Curricular, nn.Module):
         self.mid_t = tuple(float(t) for t in mid_t)
         self.cfg_interval = check_interval(cfg_interval)
         self.path = TrigFlowPath(sigma_d)
-        self.logvar = LogVar(logvar_channels)
+        # None: the plain mean of ||F - F- - g||^2 / D (no learned weight, no parameters)
+        self.logvar = LogVar(logvar_channels) if adaptive_weighting else None
         self.curriculum = build_curriculum(alpha_steps, alpha_min, type(self), SCM)
 
     @property
@@ -267,8 +273,11 @@ class SCM(Curricular, nn.Module):
             metrics["one_step_mse"] = err[:k].detach().square().mean()
         hf_weight = self.hf_weight if hf_weight is None else hf_weight
         sq = squared_error(err, hf_weight) / err[0].numel()  # ||.||^2 / D per sample (pixel-scale part weighted)
-        logvar = self.logvar(t)
-        loss = (torch.exp(-logvar) * sq + logvar).mean()
+        if self.logvar is None:
+            loss = sq.mean()
+        else:
+            logvar = self.logvar(t)
+            loss = (torch.exp(-logvar) * sq + logvar).mean()
         if velocity_target is not None:
             velocity_mse = (sigma_d * V.float() - velocity_target).square().mean()
             loss = loss + self.velocity_weight * velocity_mse

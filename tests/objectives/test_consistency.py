@@ -53,6 +53,22 @@ def test_normalised_tangent_and_adaptive_weighting():
     assert norm > 0
 
 
+def test_without_adaptive_weighting_the_loss_is_the_plain_mean():
+    """adaptive_weighting=False: no logvar head (no parameters, nothing in the state) and the loss is the mean of
+    ||F - F- - g||^2 / D; with the head, a logvar of 1 gives exp(-1) times it plus 1."""
+    plain = SCM(warmup_steps=0, adaptive_weighting=False)
+    assert not list(plain.parameters()) and not plain.state_dict()
+    torch.manual_seed(2)
+    loss, metrics = plain.loss(PointMassTrigFlow(A, offset=0.3), _data(8))
+    torch.testing.assert_close(loss, metrics["mse"])
+    weighted = SCM(warmup_steps=0)
+    with torch.no_grad():
+        weighted.logvar.linear.bias.fill_(1.0)
+    torch.manual_seed(2)
+    loss, metrics = weighted.loss(PointMassTrigFlow(A, offset=0.3), _data(8))
+    torch.testing.assert_close(loss, torch.exp(torch.tensor(-1.0)) * metrics["mse"] + 1)
+
+
 def test_hf_weight_weighs_the_pixel_scale_part_of_the_update(monkeypatch):
     """With hf_weight the per-sample error ||F - F- - g||^2 gains hf_weight ||high_pass(F - F- - g)||^2 (at the
     zero-initialised logvar, the loss is their mean over samples / D); the logged mse stays the plain one."""

@@ -308,3 +308,13 @@ def test_a_run_with_a_reference_bank_resumes_bit_exactly_and_samples(tmp_path, t
     model, objective = load_generator(whole)
     images = objective.sample(model, torch.randn(2, 1, 28, 28), torch.tensor([3, 4]), steps=1)
     assert images.shape == (2, 1, 28, 28) and torch.isfinite(images).all()
+
+
+def test_an_scm_run_without_adaptive_weighting_has_no_objective_state(tmp_path, train_run):
+    """objective.adaptive_weighting=false: sCM and sCD without their learned weight train, save an empty objective state
+    and resume from it."""
+    common = ["objective=scm", "objective.adaptive_weighting=false", "trainer.ckpt_every=2"]
+    whole, split = whole_and_resumed(tmp_path, train_run, common, steps=4, stop=2)
+    assert whole["objective"] == {}
+    for key in ("model", "ema", "optimizer"):
+        assert_same_state(whole[key], split[key], key)
