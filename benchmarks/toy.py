@@ -21,6 +21,9 @@ A small MLP (`ToyNet`, the objectives' call model(x, t, r, y), the DiT's time em
     PYTHONPATH=. python benchmarks/toy.py --objective scd --steps 3000     # distilled from the exact velocity
     PYTHONPATH=. python benchmarks/toy.py --objective meanflow --set adaptive_p=0 --set alpha_steps=[0,1000]  # curriculum
     PYTHONPATH=. python benchmarks/toy.py --objective meanflow --cosine    # the lr decays to 0 at the last step
+    PYTHONPATH=. python benchmarks/toy.py --objective meanflow --set adaptive_p=0 --set velocity_estimate=batch
+    PYTHONPATH=. python benchmarks/toy.py --objective scm --set warmup_steps=200 --set velocity_estimate=batch \
+        --set adaptive_weighting=false --set tangent_c=1.0      # the batch velocity without the adaptive weighting
 
 sCD and rCM distil the exact marginal velocity of the linear path (`ExactTeacher`: the best teacher there
 is), so their 1-step map must converge to the exact flow map; their student and rCM's fake score start
