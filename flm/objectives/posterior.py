@@ -47,9 +47,15 @@ def batch_velocity(path, x0: torch.Tensor, s: PathSample, y_in=None, y=None, nul
 
 
 def batch_posterior(path, images, s: PathSample, y_in=None, labels=None, null=None, valid=None) -> torch.Tensor:
-    """(B, R) weights w_ij = softmax_j(-||x_t_i - alpha_i x0_j||^2 / (2 sigma_i^2)) over the R reference images (the
-    likelihood of each as x_t_i's clean image; labels: theirs, valid: which to use). Distances in float64: the
-    expansion ||a||^2 - 2 a.b + ||b||^2 is exact enough there, and one (B, R) matmul is cheap."""
+    """(B, R) weights w_ij = softmax_j(batch_logits): how likely each of the R reference images is as x_t_i's clean
+    image."""
+    return torch.softmax(batch_logits(path, images, s, y_in, labels, null, valid), dim=1)
+
+
+def batch_logits(path, images, s: PathSample, y_in=None, labels=None, null=None, valid=None) -> torch.Tensor:
+    """(B, R) log-likelihoods -||x_t_i - alpha_i x0_j||^2 / (2 sigma_i^2) of the R reference images (up to a constant
+    per row), -inf where a reference is of another class than a class label y_in_i (labels: theirs) or not valid.
+    Distances in float64: the expansion ||a||^2 - 2 a.b + ||b||^2 is exact enough there, and one (B, R) matmul is cheap."""
     alpha, sigma, _ = (c.double()[:, None] for c in path.coefficients(s.t))
     z, x = s.x_t.flatten(1).double(), images.flatten(1).double()
     dist = z.square().sum(1, keepdim=True) - 2 * alpha * (z @ x.T) + alpha.square() * x.square().sum(1)[None, :]
@@ -59,7 +65,7 @@ def batch_posterior(path, images, s: PathSample, y_in=None, labels=None, null=No
         logits = logits.masked_fill(~same, -torch.inf)
     if valid is not None:
         logits = logits.masked_fill(~valid[None, :], -torch.inf)
-    return torch.softmax(logits, dim=1)
+    return logits
 
 
 class ReferenceBank(nn.Module):
