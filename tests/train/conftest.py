@@ -1,8 +1,10 @@
 """Fixtures for the entry points and configs: compose like Hydra does, call train.py / sample.py."""
 
 import importlib.util
+import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -73,9 +75,22 @@ def run_script(name: str, *args, cwd=None):
     return proc.returncode, proc.stdout, proc.stderr
 
 
+# a rank that aborts in gloo's C++ teardown (a thread destroyed while joinable): seen in 2 of 7 full CI runs of one
+# session, never in 13 launches of the same test alone; flm.dist.close's barrier made it rarer, not gone
+GLOO_ABORT = "terminate called without an active exception"
+
+
 def torchrun(script, *args) -> None:
-    """`script` (a path) with args in one torchrun launch of two CPU processes; fails the test with their output."""
+    """`script` (a path) with args in one torchrun launch of two CPU processes; fails the test with their output. A
+    launch that dies of GLOO_ABORT alone runs once more, from scratch (a ddp_worker.py jobs file's run folders are
+    removed first); any other failure, or the abort twice, fails."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "1"}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script), *args]
-    proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    for attempt in range(2):
+        proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        if proc.returncode == 0 or attempt or GLOO_ABORT not in proc.stderr:
+            break
+        if str(args[0]).endswith(".json"):
+            for run_dir, _ in json.loads(pathlib.Path(args[0]).read_text()):
+                shutil.rmtree(run_dir, ignore_errors=True)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
