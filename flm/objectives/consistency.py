@@ -21,7 +21,8 @@ Loss (Algorithm 1, sCT: no teacher; dx_t/dt = cos(t) z - sin(t) x0 from the data
     L = exp(-logvar(t)) ||F - F- - g||^2 / D + logvar(t)                  (adaptive weighting)
 
 where F- = stopgrad(F), warm = min(1, step / warmup_steps) (tangent warm-up) and logvar(t) = -w_phi(t)
-is a small learned head (Fourier features of t -> linear, zero-initialised, as EDM2's).
+is a small learned head (Fourier features of t -> linear, zero-initialised, as EDM2's). With logvar_loss=sum it weighs
+||F - F- - g||^2 instead, which starts where the head does (LogVar; sCD's and rCM's default).
 
 The consistency curriculum (`alpha_steps`, off by default; flm.objectives.curriculum, which MeanFlow shares): g is
 cos t df-/dt along the trajectory (at full warm-up), so before alpha_steps[1] it is taken by a finite difference,
@@ -77,11 +78,26 @@ from flm.objectives.protocol import NO_NETWORKS
 SIN_MIN = 0.5
 
 
-class LogVar(nn.Module):
-    """logvar(t) = linear(cos(t * freqs + phases) * sqrt(2)), freqs and phases fixed (EDM2's head)."""
+LOGVAR_LOSSES = ("mean", "sum")
 
-    def __init__(self, channels: int = 128, seed: int = 0):
+
+class LogVar(nn.Module):
+    """The adaptive weighting's head, logvar(t) = linear(cos(t * freqs + phases) * sqrt(2)), freqs and phases fixed
+    (EDM2's head), zero-initialised, and the per-sample loss it weighs: ||.||^2 / D ("mean", the paper's) or ||.||^2
+    ("sum").
+
+    The tangent is normalised to about unit norm, so the sum starts near 1 = exp(0), where the head starts; the mean
+    starts near 1 / D, log D away (6.7 on MNIST, 8.0 on CIFAR-10), a gap the head closes at the optimizer's pace.
+    Meanwhile the model's gradient grows ~D-fold (a transient Adam's second moment lags: a larger step than lr), and
+    at the rarely drawn times near t_max, the 1-step sampler's, the head still lagged by e^3.6 after 400 CPU steps and
+    e^0.8 after 1200. The sum brought the CPU sCD student 21-38 % closer to its teacher's solution; sCM from scratch
+    scored lower with it on the CPU screen (docs/quality.md, thirtieth day)."""
+
+    def __init__(self, channels: int = 128, loss: str = "mean", seed: int = 0):
         super().__init__()
+        if loss not in LOGVAR_LOSSES:
+            raise ValueError(f"unknown logvar_loss {loss!r}; valid: {', '.join(LOGVAR_LOSSES)}")
+        self.summed = loss == "sum"
         g = torch.Generator().manual_seed(seed)
         self.register_buffer("freqs", 2 * math.pi * torch.randn(channels, generator=g))
         self.register_buffer("phases", 2 * math.pi * torch.rand(channels, generator=g))
@@ -92,6 +108,11 @@ class LogVar(nn.Module):
     def forward(self, t: torch.Tensor) -> torch.Tensor:
         features = torch.cos(t.float()[:, None] * self.freqs + self.phases) * math.sqrt(2)  # (B, C)
         return self.linear(features).squeeze(1)  # (B,)
+
+    def weigh(self, sq: torch.Tensor, t: torch.Tensor, numel: int) -> torch.Tensor:
+        """exp(-logvar(t)) loss + logvar(t) per sample (B,), from sq = ||.||^2 / D (B,) with D = numel."""
+        logvar = self(t)
+        return torch.exp(-logvar) * (sq * numel if self.summed else sq) + logvar
 
 
 class SCM(Curricular, nn.Module):
@@ -107,9 +128,12 @@ class SCM(Curricular, nn.Module):
         warmup_steps: tangent warm-up length in training steps (paper: 10k); 0 turns it off.
         logvar_channels: Fourier features of the adaptive-weighting head.
         adaptive_weighting: the paper's learned weight exp(-logvar(t)) (+ logvar(t)) on each sample's loss; False: the
-            plain mean. The weight rescales each time's loss to about one, so a step's size no longer shrinks as the
-            error does; with an exact velocity (sCD; sCM with velocity_estimate=batch) that left the toy's map 5-15x
-            further from the exact one than without it (docs/quality.md, twenty-ninth day).
+            plain mean of ||.||^2 / D. The weight rescales each time's loss to about one, so a
+            step's size no longer shrinks as the error does; with an exact velocity (sCD; sCM with
+            velocity_estimate=batch) that left the toy's map 5-15x further from the exact one than without it
+            (docs/quality.md, twenty-ninth day).
+        logvar_loss: what that weight weighs: "mean" (||.||^2 / D, the paper's) or "sum" (||.||^2, which starts at the
+            zero-initialised head's scale; LogVar says why it matters in short runs).
         label_dropout: probability of the null label (CFG training); classes read from the model.
         cfg_omega: guidance in training (MeanFlow's eq. 19 with kappa = 0, on TrigFlow): dx_t/dt becomes
             omega dx_t/dt + (1 - omega) v_null, one more forward without gradient, in the target and the JVP tangent
@@ -155,6 +179,7 @@ class SCM(Curricular, nn.Module):
         warmup_steps: int = 10_000,
         logvar_channels: int = 128,
         adaptive_weighting: bool = True,
+        logvar_loss: str = "mean",
         label_dropout: float = 0.1,
         cfg_omega: float = 1.0,
         velocity_weight: float = 0.0,
@@ -192,7 +217,7 @@ class SCM(Curricular, nn.Module):
         self.cfg_interval = check_interval(cfg_interval)
         self.path = TrigFlowPath(sigma_d)
         # None: the plain mean of ||F - F- - g||^2 / D (no learned weight, no parameters)
-        self.logvar = LogVar(logvar_channels) if adaptive_weighting else None
+        self.logvar = LogVar(logvar_channels, logvar_loss) if adaptive_weighting else None
         self.curriculum = build_curriculum(alpha_steps, alpha_min, type(self), SCM)
 
     @property
@@ -273,11 +298,7 @@ class SCM(Curricular, nn.Module):
             metrics["one_step_mse"] = err[:k].detach().square().mean()
         hf_weight = self.hf_weight if hf_weight is None else hf_weight
         sq = squared_error(err, hf_weight) / err[0].numel()  # ||.||^2 / D per sample (pixel-scale part weighted)
-        if self.logvar is None:
-            loss = sq.mean()
-        else:
-            logvar = self.logvar(t)
-            loss = (torch.exp(-logvar) * sq + logvar).mean()
+        loss = sq.mean() if self.logvar is None else self.logvar.weigh(sq, t, err[0].numel()).mean()
         if velocity_target is not None:
             velocity_mse = (sigma_d * V.float() - velocity_target).square().mean()
             loss = loss + self.velocity_weight * velocity_mse

@@ -79,7 +79,9 @@ class SCD(SCM):
         hf_weight_one_step: hf_weight (flm.objectives.frequency) for the one_step_frac samples alone; None: hf_weight.
         one_step_solver: the teacher's ODE solver for that target: "euler" (teacher_steps - 1 teacher forwards) or
             "heun" (second order, 2 teacher_steps - 1 forwards).
-        **kwargs: SCM's (sigma_d, p_mean, p_std, tangent_c, warmup_steps, ...).
+        **kwargs: SCM's (sigma_d, p_mean, p_std, tangent_c, warmup_steps, ...); logvar_loss defaults to "sum" here
+            (its CPU student landed 21-38 % closer to the teacher's solution than with the paper's "mean",
+            docs/quality.md, thirtieth day).
     """
 
     # a data-predicting student's consistency function x_s - s v is its output x^ at every t, so nothing ties f(x, 0) to x:
@@ -112,7 +114,7 @@ class SCD(SCM):
                 "velocity_estimate estimates the data's dx_t/dt from the batch, and sCD takes the teacher's: set "
                 "objective.velocity_estimate=sample"
             )
-        super().__init__(**kwargs)
+        super().__init__(**{"logvar_loss": "sum", **kwargs})
         check_probability("one_step_frac", one_step_frac)
         if not (isinstance(one_step_mid, (int, float)) and 0 < one_step_mid < self.t_max):
             raise ValueError(f"one_step_mid must lie in (0, t_max={self.t_max:.4f}), got {one_step_mid!r}")

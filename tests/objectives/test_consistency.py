@@ -53,6 +53,17 @@ def test_normalised_tangent_and_adaptive_weighting():
     assert norm > 0
 
 
+def test_logvar_loss_sum_weighs_the_squared_norm():
+    """logvar_loss="sum": the head weighs ||.||^2 = D x the mean's loss, at most 1 for the normalised tangent where the
+    zero-initialised head starts (sCD's default); an unknown name is refused."""
+    torch.manual_seed(2)
+    loss, metrics = SCM(warmup_steps=0, logvar_loss="sum").loss(PointMassTrigFlow(A, offset=0.3), _data(8))
+    torch.testing.assert_close(loss, 4 * metrics["mse"])  # D = 4
+    assert 0 < loss < 1  # ||g / (||g|| + c)||^2 < 1
+    with pytest.raises(ValueError, match="unknown logvar_loss 'max'; valid: mean, sum"):
+        SCM(logvar_loss="max")
+
+
 def test_without_adaptive_weighting_the_loss_is_the_plain_mean():
     """adaptive_weighting=False: no logvar head (no parameters, nothing in the state) and the loss is the mean of
     ||F - F- - g||^2 / D; with the head, a logvar of 1 gives exp(-1) times it plus 1."""
