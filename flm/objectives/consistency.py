@@ -89,9 +89,10 @@ class LogVar(nn.Module):
     The tangent is normalised to about unit norm, so the sum starts near 1 = exp(0), where the head starts; the mean
     starts near 1 / D, log D away (6.7 on MNIST, 8.0 on CIFAR-10), a gap the head closes at the optimizer's pace.
     Meanwhile the model's gradient grows ~D-fold (a transient Adam's second moment lags: a larger step than lr), and
-    at the rarely drawn times near t_max, the 1-step sampler's, the head still lagged by e^3.6 after 400 CPU steps and
-    e^0.8 after 1200. The sum brought the CPU sCD student 21-38 % closer to its teacher's solution; sCM from scratch
-    scored lower with it on the CPU screen (docs/quality.md, thirtieth day)."""
+    at the rarely drawn times near t_max, the 1-step sampler's, the head lags longest: e^3.6 behind after 400 CPU steps
+    at lr 2e-3, e^3-4 after 950 at the H200 preset's 2e-4. The sum brought the CPU sCD student 21-38 % closer to its
+    teacher's solution (27 % with the preset's optimizer); sCM from scratch scored lower with it on the CPU screen
+    (docs/quality.md, thirtieth day)."""
 
     def __init__(self, channels: int = 128, loss: str = "mean", seed: int = 0):
         super().__init__()
