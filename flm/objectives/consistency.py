@@ -90,7 +90,7 @@ class LogVar(nn.Module):
     starts near 1 / D, log D away (6.7 on MNIST, 8.0 on CIFAR-10), a gap the head closes at the optimizer's pace.
     Meanwhile the model's gradient grows ~D-fold (a transient Adam's second moment lags: a larger step than lr), and
     at the rarely drawn times near t_max, the 1-step sampler's, the head lags longest: e^3.6 behind after 400 CPU steps
-    at lr 2e-3, e^3-4 after 950 at the H200 preset's 2e-4. The sum brought the CPU sCD student 21-38 % closer to its
+    at lr 2e-3, e^5.3 after 950 at the H200 preset's 2e-4. The sum brought the CPU sCD student 21-38 % closer to its
     teacher's solution (27 % with the preset's optimizer); sCM from scratch scored lower with it on the CPU screen
     (docs/quality.md, thirtieth day)."""
 
