@@ -91,8 +91,8 @@ class LogVar(nn.Module):
     Meanwhile the model's gradient grows ~D-fold (a transient Adam's second moment lags: a larger step than lr), and
     at the rarely drawn times near t_max, the 1-step sampler's, the head lags longest: e^3.6 behind after 400 CPU steps
     at lr 2e-3, e^5.3 after 950 at the H200 preset's 2e-4. The sum brought the CPU sCD student 21-38 % closer to its
-    teacher's solution (27 % with the preset's optimizer); sCM from scratch scored lower with it on the CPU screen
-    (docs/quality.md, thirtieth day)."""
+    teacher's solution (27 % with the preset's optimizer) and the H200 preset's 15 % (2-step FID -12 %, two seeds); sCM
+    from scratch scored lower with it on the CPU screen (docs/quality.md, thirtieth and thirty-first days)."""
 
     def __init__(self, channels: int = 128, loss: str = "mean", seed: int = 0):
         super().__init__()
