@@ -488,3 +488,19 @@ def test_velocity_variance_measures_both_estimates_against_the_exact_marginal_ve
     assert cond > 0.1 and ratio < 0.5 and ess > 2 and banked_ratio < ratio
     cond, est, *_ = rows["0.2"]
     assert cond < 1e-6 and est < 1e-6
+
+
+def test_fid_curve_tables_each_run_and_sampler_and_refuses_a_run_without_evaluations(tmp_path):
+    fid_curve = load("fid_curve")
+    for run, evals in {"a": {1000: 40.0, 2000: 20.0}, "b": {2000: 30.0}, "none": {}}.items():
+        (tmp_path / run).mkdir()
+        rows = [{"step": s, "loss": 1.0} for s in (500, 1000, 1500, 2000)]
+        rows += [{"step": s, "fid_steps1": v, "fid_steps2": v / 2} for s, v in evals.items()]
+        (tmp_path / run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    curves = {**fid_curve.series(str(tmp_path / "a"), "fid"), **fid_curve.series(str(tmp_path / "b"), "fid")}
+    assert list(curves) == ["a 1 step", "a 2 steps", "b 1 step", "b 2 steps"]
+    assert fid_curve.table(curves, "fid").splitlines()[2:] == ["| 1000 | 40 | 20 | - | - |", "| 2000 | 20 | 10 | 30 | 15 |"]
+    with pytest.raises(SystemExit, match="logged no fid_steps<k>: train it with trainer.eval_every"):
+        fid_curve.main([str(tmp_path / "a"), str(tmp_path / "none")])
+    with pytest.raises(SystemExit, match="no metrics.jsonl"):
+        fid_curve.main([str(tmp_path / "missing")])

@@ -1,5 +1,6 @@
 """evaluate.py and flm.train.evaluation on a tiny run, with a small stand-in for the Inception network."""
 
+import importlib.util
 import json
 
 import numpy as np
@@ -244,6 +245,17 @@ def test_in_loop_evaluation_is_logged(run, train_run, tmp_path):
     evals = [r for r in rows if "fid_steps1" in r]
     assert [r["step"] for r in evals] == [2, 4]
     assert all(np.isfinite(r["fid_steps2"]) and 0 <= r["label_acc_steps1"] <= 1 for r in evals)
+
+    # benchmarks/fid_curve.py reads these records back as the curve of each sampler
+    spec = importlib.util.spec_from_file_location("fid_curve", ROOT / "benchmarks" / "fid_curve.py")
+    fid_curve = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fid_curve)
+    assert fid_curve.main([str(tmp_path / "loop"), "--out", str(tmp_path / "curve")]) == 0
+    curves = fid_curve.series(str(tmp_path / "loop"), "fid")
+    assert curves == {f"loop {k} step{'s' if k > 1 else ''}": {r["step"]: r[f"fid_steps{k}"] for r in evals} for k in (1, 2)}
+    report = (tmp_path / "curve" / "fid_curve.md").read_text()
+    assert f"| 4 | {evals[1]['fid_steps1']:.4g} | {evals[1]['fid_steps2']:.4g} |" in report
+    assert (tmp_path / "curve" / "fid_curve.png").stat().st_size > 0
 
 
 def test_in_loop_evaluation_fails_before_training(train_run, tmp_path):
