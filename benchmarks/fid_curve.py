@@ -58,7 +58,8 @@ def plot(curves: dict[str, dict[int, float]], metric: str, path: str) -> bool:
     for name, points in curves.items():
         steps = sorted(points)
         ax.plot(steps, [points[s] for s in steps], "o-", label=name)
-    ax.set(xlabel="training step", ylabel=metric, title=f"{metric} against training steps (as measured)")
+    label = "FID" if metric == "fid" else metric
+    ax.set(xlabel="training step", ylabel=label, title=f"{label} against training steps (as measured)")
     if metric == "fid" and all(v > 0 for points in curves.values() for v in points.values()):
         ax.set_yscale("log")
     ax.legend(fontsize=7)
