@@ -46,14 +46,14 @@ def table(curves: dict[str, dict[int, float]], metric: str) -> str:
     return "\n".join(lines)
 
 
-def plot(curves: dict[str, dict[int, float]], metric: str, path: str) -> bool:
+def plot(curves: dict[str, dict[int, float]], metric: str, path: str) -> None:
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return False
+        return
     fig, ax = plt.subplots(figsize=(6, 4))
     for name, points in curves.items():
         steps = sorted(points)
@@ -66,7 +66,6 @@ def plot(curves: dict[str, dict[int, float]], metric: str, path: str) -> bool:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-    return True
 
 
 def main(argv=None) -> int:

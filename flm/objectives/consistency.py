@@ -129,10 +129,9 @@ class SCM(Curricular, nn.Module):
         warmup_steps: tangent warm-up length in training steps (paper: 10k); 0 turns it off.
         logvar_channels: Fourier features of the adaptive-weighting head.
         adaptive_weighting: the paper's learned weight exp(-logvar(t)) (+ logvar(t)) on each sample's loss; False: the
-            plain mean of ||.||^2 / D. The weight rescales each time's loss to about one, so a
-            step's size no longer shrinks as the error does; with an exact velocity (sCD; sCM with
-            velocity_estimate=batch) that left the toy's map 5-15x further from the exact one than without it
-            (docs/quality.md, twenty-ninth day).
+            plain mean of ||.||^2 / D. The weight rescales each time's loss to about one, so a step's size no longer
+            shrinks as the error does; with an exact velocity (sCD; sCM with velocity_estimate=batch) that left the
+            toy's map 5-15x further from the exact one than without it (docs/quality.md, twenty-ninth day).
         logvar_loss: what that weight weighs: "mean" (||.||^2 / D, the paper's) or "sum" (||.||^2, which starts at the
             zero-initialised head's scale; LogVar says why it matters in short runs).
         label_dropout: probability of the null label (CFG training); classes read from the model.

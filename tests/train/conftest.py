@@ -28,7 +28,8 @@ TINY = [
 
 
 def load_entry(name: str):
-    """train.py or sample.py as a module (they live at the repository root, outside the package)."""
+    """A script outside the package as a module: train.py or sample.py at the repository root, or a path under it
+    without .py (benchmarks/fid_curve)."""
     spec = importlib.util.spec_from_file_location(f"flm_entry_{name}", ROOT / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -1,6 +1,5 @@
 """evaluate.py and flm.train.evaluation on a tiny run, with a small stand-in for the Inception network."""
 
-import importlib.util
 import json
 
 import numpy as np
@@ -247,9 +246,7 @@ def test_in_loop_evaluation_is_logged(run, train_run, tmp_path):
     assert all(np.isfinite(r["fid_steps2"]) and 0 <= r["label_acc_steps1"] <= 1 for r in evals)
 
     # benchmarks/fid_curve.py reads these records back as the curve of each sampler
-    spec = importlib.util.spec_from_file_location("fid_curve", ROOT / "benchmarks" / "fid_curve.py")
-    fid_curve = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(fid_curve)
+    fid_curve = load_entry("benchmarks/fid_curve")
     assert fid_curve.main([str(tmp_path / "loop"), "--out", str(tmp_path / "curve")]) == 0
     curves = fid_curve.series(str(tmp_path / "loop"), "fid")
     assert curves == {f"loop {k} step{'s' if k > 1 else ''}": {r["step"]: r[f"fid_steps{k}"] for r in evals} for k in (1, 2)}
