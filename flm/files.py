@@ -6,6 +6,7 @@ import errno
 import json
 import os
 import shutil
+import uuid
 
 # OSErrors that say where the fault is (the disk, the folder's permissions), not the program.
 DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
@@ -26,7 +27,9 @@ def write_atomically(path: str, write, *, needed_bytes: int | None = None, tmp_s
     behind writers that do not say so (torch.save reports it as a RuntimeError).
     """
     folder = os.path.dirname(os.path.abspath(path))
-    tmp = path + tmp_suffix
+    # a name of its own: two processes writing the same file (ranks or jobs sharing a reference-statistics cache)
+    # must not write into one temporary file, or rename it from under each other
+    tmp = f"{path}.{uuid.uuid4().hex[:12]}{tmp_suffix}"
     try:
         os.makedirs(folder, exist_ok=True)
         write(tmp)

@@ -115,6 +115,21 @@ def leftovers(folder) -> list[str]:
     return [os.path.join(d, f) for d, _, files in os.walk(folder) for f in files if ".tmp" in f]
 
 
+def test_two_writers_of_one_file_do_not_share_a_temporary_file(tmp_path):
+    """Two processes filling one cache file (jobs sharing the reference statistics): the second writer, here nested
+    in the first's write, must neither write into the first's temporary file nor rename it away."""
+    from flm.files import write_atomically
+
+    path = str(tmp_path / "stats.npz")
+
+    def first(tmp):
+        open(tmp, "w").write("first")
+        write_atomically(path, lambda tmp2: open(tmp2, "w").write("second"))
+
+    write_atomically(path, first)
+    assert open(path).read() == "first" and leftovers(tmp_path) == []
+
+
 def test_a_full_disk_is_one_line_and_keeps_the_earlier_checkpoints(tmp_path, train_run, monkeypatch):
     import collections
 
