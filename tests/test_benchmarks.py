@@ -1,21 +1,16 @@
 """The benchmarks' own logic that a wrong number would come from: quality.py's run specs and table,
 train_step.py's distillation rows (on the CPU, Triton interpreted)."""
 
-import importlib.util
 import json
-import pathlib
 
 import pytest
 import torch
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from .train.conftest import load_entry
 
 
 def load(name):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_entry(f"benchmarks/{name}")
 
 
 def test_overrides_split_outside_brackets():

@@ -260,13 +260,9 @@ def test_the_ema_target_velocity_gets_the_runs_ema(tmp_path, train_run, monkeypa
 
 
 def test_scm_bf16_gap_tables_an_scm_run_and_refuses_another(tmp_path, train_run, capsys):
-    import importlib.util
-    import pathlib
+    from .conftest import load_entry
 
-    path = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "scm_bf16_gap.py"
-    spec = importlib.util.spec_from_file_location("scm_bf16_gap", path)
-    gap = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gap)
+    gap = load_entry("benchmarks/scm_bf16_gap")
     train_run(tmp_path / "scm", ["objective=scm"])
     gap.main(["--ckpt", str(tmp_path / "scm"), "--n", "16", "--device", "cpu"])
     assert "| bf16 change / ||g|| |" in capsys.readouterr().out
