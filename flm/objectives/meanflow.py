@@ -33,9 +33,12 @@ X(z_t) = z_t - (t - r) u(z_t, r, t) must move with the velocity at its own end p
 
 (the Lagrangian map distillation of flow map matching, against the Eulerian one above, which MeanFlow and
 consistency distillation share). v is the teacher's velocity at the student's end point X (no gradient), or
-without a teacher the model's own sg(u(X, r, r)): the target then corrects the point the jump lands on,
-where the Eulerian target only sees the start. The same number of forwards as the Eulerian target with a
-teacher; the teacher's forward waits for the student's output.
+without a teacher the model's own sg(u(X, r, r)) (Lagrangian self-distillation), while the r = t samples learn the
+data's v by flow matching (with guidance in training: its guided v, so the map follows the guided flow). That
+anchor is what ties the field to the data: any field's own flow map meets the r != t target exactly. The target
+corrects the point the jump lands on, where the Eulerian target only sees the start, and it carries no sample's
+noisy v. The same number of forwards as the Eulerian target with tangent="model" (or with a teacher); the second
+forward waits for the first's output.
 
 Interval splitting (`split_above`, off by default): intervals longer than it take the target of two half
 jumps of the model itself, u_tgt = (u(z_t, s, t) + u(z_s, r, s)) / 2 at the midpoint s = (t + r) / 2 with
@@ -332,10 +335,10 @@ class MeanFlow(Curricular, nn.Module):
             raise ValueError(
                 "identity=lagrangian takes its JVP along r alone, so tangent=model does not apply; set objective.tangent=sample"
             )
-        if identity == "lagrangian" and (cfg_omega != 1.0 or cfg_kappa != 0.0):
+        if identity == "lagrangian" and teacher and (cfg_omega != 1.0 or cfg_kappa != 0.0):
             raise ValueError(
-                "identity=lagrangian has no guidance in training (its velocity is taken at the jump's end point); "
-                "keep cfg_omega=1.0 and cfg_kappa=0.0, or use identity=eulerian"
+                "identity=lagrangian with a teacher takes the teacher's velocity at the jump's end point, so guidance "
+                "in training does not apply; keep cfg_omega=1.0 and cfg_kappa=0.0 and set objective.teacher_cfg_scale"
             )
         self.identity = identity
         if target_velocity not in TARGET_VELOCITIES:
@@ -465,14 +468,18 @@ class MeanFlow(Curricular, nn.Module):
         s = self.path.sample(x, torch.randn_like(x), t)
         s.dx_t = self.data_velocity(self.path, x, s, y_in, y, num_classes(model), step)
         if self.identity == "lagrangian":
-            # at r = t the end point X is z_t itself: u_tgt is the velocity there
+            # at r = t the end point X is z_t itself: u_tgt is the velocity there, the teacher's or, without one, the
+            # data's v (flow matching: the anchor of self-distillation; the model's own velocity there would be
+            # met by any field)
             def diagonal(u, i):
                 if teacher is None:
-                    return u.detach().float()
+                    return s.dx_t[i].float()
                 return teacher_velocity(teacher, s.x_t[i], t[i], _rows(y_in, i), self.teacher_cfg_scale).float()
 
+            if teacher is None and (self.cfg_omega != 1.0 or self.cfg_kappa != 0.0):
+                s.dx_t = self._guided_velocity(model, s, y, y_in)  # the diagonal learns the guided flow, the map follows it
             lagrangian = functools.partial(self._lagrangian_target, model, teacher=teacher)
-            u_tgt, u = self._on_subset(model, s.x_t, t, r, y_in, lagrangian, diagonal)
+            u_tgt, u = self._on_subset(model, s.x_t, t, r, y_in, lagrangian, diagonal, s.dx_t)
         else:
             u_tgt, u = self._eulerian_target(model, s, r, y, y_in, teacher, ema, alpha)
         if self.split_above is not None:
@@ -534,15 +541,16 @@ class MeanFlow(Curricular, nn.Module):
             return parts[0]
         return tuple(torch.cat(pair) for pair in zip(*parts))
 
-    def _lagrangian_target(self, model, z, t, r, y, teacher=None):
-        """(sg(u_tgt), u) of the Lagrangian identity: u_tgt = v(X, r) + (t - r) du/dr at X = z - (t - r) u."""
+    def _lagrangian_target(self, model, z, t, r, y, v_data, teacher=None):
+        """(sg(u_tgt), u) of the Lagrangian identity: u_tgt = v(X, r) + (t - r) du/dr at X = z - (t - r) u; without a
+        teacher the samples with r = t take the data's velocity v_data (flow matching), the others the model's own."""
         u, dudr = jvp(lambda r_: model(z, t, r_, y), (r,), (torch.ones_like(r),), mode=self.jvp_mode)
         with torch.no_grad():
             x_r = (z.float() - bcast(t - r, u) * u.float()).to(z.dtype)
             if teacher is not None:
-                v = teacher_velocity(teacher, x_r, r, y, self.teacher_cfg_scale)
+                v = teacher_velocity(teacher, x_r, r, y, self.teacher_cfg_scale).float()
             else:
-                v = model(x_r, r, r, y).float()
+                v = torch.where(bcast(t == r, v_data), v_data.float(), model(x_r, r, r, y).float())
         return (v + bcast(t - r, v) * dudr.float()).detach(), u
 
     def _with_split_targets(self, model, z, t, r, y, u_tgt, teacher=None, ema=None):

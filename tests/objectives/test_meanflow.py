@@ -62,6 +62,46 @@ def test_lagrangian_identity_is_exact_for_the_flow_of_its_own_velocity(jvp_mode)
     assert metrics["mse"] < 1e-10
 
 
+@pytest.mark.parametrize("jvp_subset", [True, False])
+def test_lagrangian_self_distillation_anchors_its_diagonal_on_the_data(jvp_subset):
+    """Without a teacher the r = t samples learn the data's v by flow matching: u = (z - a)/t + c r meets the r != t
+    target exactly (its own flow map) but is off the data's velocity (z - a)/t by c t on the diagonal, so the loss is
+    D c^2 mean(t^2 [r = t]) at p = 0, from the plain forwards (jvp_subset) and inside the JVP's batch alike. Before,
+    the diagonal's target was the model's own output and this loss was 0: nothing tied the field to the data."""
+    c, x = 0.3, _data()
+    objective = MeanFlow(r_neq_t=0.5, adaptive_p=0.0, identity="lagrangian", jvp_subset=jvp_subset)
+    torch.manual_seed(1)
+    loss, _ = objective.loss(_RMeanFlow(A, offset=c), x)
+    torch.manual_seed(1)
+    t, r = objective.sample_times(x.shape[0], x.device)
+    assert (t == r).any() and (t != r).any()
+    torch.testing.assert_close(loss, 4 * c**2 * (t**2 * (t == r)).mean(), rtol=1e-4, atol=0)
+
+
+class _LabelledRMeanFlow(_RMeanFlow):
+    """_RMeanFlow with classes; the null class's output is off by a further k t, so guidance moves the target."""
+
+    num_classes = 3
+
+    def forward(self, x, t, r=None, y=None):
+        return super().forward(x, t, r, y) + self.k * t.reshape(-1, 1, 1, 1) * (y == 3).reshape(-1, 1, 1, 1)
+
+
+def test_lagrangian_self_distillation_takes_guidance_in_training_on_its_diagonal():
+    """With cfg_omega w the diagonal's target is the guided v~ = w v + (1 - w) u(z, t, t | null): for the model above
+    u(., null) - v = (c + k) t, so a labelled sample's error is c t - (1 - w)(c + k) t; a dropped label's is its own
+    output's, (c + k) t, against v."""
+    c, k, w = 0.3, 0.5, 2.0
+    model = _LabelledRMeanFlow(A, offset=c)
+    model.k = k
+    objective = MeanFlow(r_neq_t=0.0, adaptive_p=0.0, identity="lagrangian", cfg_omega=w, label_dropout=0.0)
+    x, y = _data(), torch.arange(64) % 3
+    t, r, err = objective.errors(model, x, y)
+    assert (t == r).all()
+    expected = (c * t - (1 - w) * (c + k) * t).reshape(-1, 1, 1, 1).expand_as(err)
+    torch.testing.assert_close(err, expected, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("jvp_mode", ["dual", "two_pass", "func"])
 def test_lagrangian_identity_with_a_teacher(jvp_mode):
     """Teacher v = (z - a)/t + k, student u = (z - a)/t + c r: X - a = (z - a) r/t - (t - r) c r, so
@@ -80,7 +120,7 @@ def test_lagrangian_identity_with_a_teacher(jvp_mode):
     [
         ({"identity": "hamiltonian"}, "valid identities: eulerian, lagrangian"),
         ({"identity": "lagrangian", "tangent": "model"}, "set objective.tangent=sample"),
-        ({"identity": "lagrangian", "cfg_omega": 2.0}, "identity=lagrangian has no guidance in training"),
+        ({"identity": "lagrangian", "cfg_omega": 2.0, "teacher": "unused"}, "identity=lagrangian with a teacher"),
     ],
 )
 def test_identity_config_errors(kwargs, match):
