@@ -355,6 +355,13 @@ class MeanFlow(Curricular, nn.Module):
                 "target exactly and a large p lets it outweigh the r = t samples (the CPU run collapsed at p = 1, and at "
                 "0.5 with the model's velocity; docs/quality.md); set objective.adaptive_p=0"
             )
+        if identity == "lagrangian" and not teacher and adaptive_p >= 0.5:
+            raise ValueError(
+                f"identity=lagrangian without a teacher (self-distillation) with adaptive_p={adaptive_p}: its r != t target "
+                "is the model's own flow, which any field meets, and a large p lets those samples outweigh the r = t ones "
+                "that tie it to the data (at p = 1 the toy and the CPU MNIST run diverged; docs/quality.md); set "
+                "objective.adaptive_p=0"
+            )
         self.target_velocity = target_velocity
         self.jvp_mode = check_jvp_mode(jvp_mode)
         if jvp_subset and r_zero:

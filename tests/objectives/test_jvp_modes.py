@@ -34,7 +34,7 @@ def _step(objective_name, model, backend, jvp_mode, plain=False, options=None):
     ("objective_name", "options", "prediction"),
     [
         ("meanflow", None, "velocity"),
-        ("meanflow", {"identity": "lagrangian", "tangent": "sample", "cfg_omega": 1.0}, "velocity"),
+        ("meanflow", {"identity": "lagrangian", "tangent": "sample", "cfg_omega": 1.0, "adaptive_p": 0.25}, "velocity"),
         ("scm", None, "velocity"),
         ("meanflow", None, "data"),  # d/dt through the data prediction's division by t
         ("scm", None, "data"),  # and through sCM's F built from it (1 / sin t)

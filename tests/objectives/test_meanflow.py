@@ -57,7 +57,7 @@ def test_lagrangian_identity_is_exact_for_the_flow_of_its_own_velocity(jvp_mode)
     """Without a teacher the end point X = z - (t - r) u moves with the model's own sg(u(X, r, r)): zero error for
     u = (z - a)/t + c r, whose du/dr = c the target needs (without it the error would be c (t - r))."""
     torch.manual_seed(0)
-    objective = MeanFlow(r_neq_t=1.0, identity="lagrangian", jvp_mode=jvp_mode)
+    objective = MeanFlow(r_neq_t=1.0, adaptive_p=0.0, identity="lagrangian", jvp_mode=jvp_mode)
     _, metrics = objective.loss(_RMeanFlow(A, offset=0.3), _data())
     assert metrics["mse"] < 1e-10
 
@@ -121,6 +121,8 @@ def test_lagrangian_identity_with_a_teacher(jvp_mode):
         ({"identity": "hamiltonian"}, "valid identities: eulerian, lagrangian"),
         ({"identity": "lagrangian", "tangent": "model"}, "set objective.tangent=sample"),
         ({"identity": "lagrangian", "cfg_omega": 2.0, "teacher": "unused"}, "identity=lagrangian with a teacher"),
+        ({"identity": "lagrangian"}, "identity=lagrangian without a teacher .* adaptive_p=1.0"),
+        ({"identity": "lagrangian", "adaptive_p": 0.5}, "set objective.adaptive_p=0"),
     ],
 )
 def test_identity_config_errors(kwargs, match):
@@ -603,7 +605,7 @@ def _fixed_times(objective, t, r):
         {"jvp_mode": "two_pass", "tangent": "model"},
         {"jvp_mode": "func", "tangent": "model"},
         {"jvp_mode": "dual", "tangent": "model", "cfg_omega": 2.0},
-        {"jvp_mode": "dual", "identity": "lagrangian"},
+        {"jvp_mode": "dual", "identity": "lagrangian", "adaptive_p": 0.0},
         {"jvp_mode": "dual", "teacher": "unused", "identity": "lagrangian"},
         {"jvp_mode": "dual", "teacher": "unused", "one_step_frac": 0.125, "split_above": 0.5, "split_frac": 0.125},
     ],
