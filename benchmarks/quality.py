@@ -30,12 +30,17 @@ adds the mean and range over the seeds of each run. `--extra-steps 50` also scor
 `--flow-map-error N` also scores each distilled student against its teacher's 100-step Euler solution from N noises
 (benchmarks/flow_map_error.py), with the first --weights.
 
+`--parallel N` trains and scores N runs at once on the one GPU (runs of small steps leave it partly idle). Each run
+must then give a step count, which makes its result the same as alone (training is deterministic), and must not
+name a teacher trained in the same call; its ms/step and GPU s are then shares of a busy GPU, marked "(N at once)".
+
 Results accumulate in <out>/quality.json (one entry per run, so runs can be made in separate calls)
 and <out>/quality.md is rewritten from all entries each time.
 """
 
 import argparse
 import ast
+import concurrent.futures
 import json
 import os
 import statistics
@@ -219,11 +224,42 @@ def run_objective(spec: str, args, group: str | None = None) -> dict:
         "evals": fid,
         "flow_map_error": flow_map,
         "group": group or name,
+        "parallel": args.parallel,
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU",
         "torch": torch.__version__,
         "triton": triton_version(),
         "command": " ".join(sys.argv),
     }
+
+
+def check_parallel(specs: list[str], parallel: int, work: str) -> None:
+    """Runs side by side must not time themselves (a time budget's probe would time a shared GPU) or wait for each
+    other (a student whose teacher is trained in the same call)."""
+    if parallel < 1:
+        raise SystemExit(f"error: --parallel {parallel}: give 1 (one run at a time) or more")
+    if parallel == 1:
+        return
+    folders = {os.path.normpath(os.path.join(work, spec.split(":", 1)[0])) for spec in specs}
+    for spec in specs:
+        name, _, steps, *rest = spec.split(":", 3)
+        if steps == "auto" or steps.endswith("s"):
+            raise SystemExit(
+                f"error: --parallel {parallel} needs step counts, and run {name} has {steps!r}: a time budget's probe "
+                "would time a GPU shared with the other runs. Give NAME:OBJECTIVE:STEPS, or use --parallel 1"
+            )
+        teachers = [o.split("=", 1)[1] for o in (split_overrides(rest[0]) if rest else []) if o.startswith("objective.teacher=")]
+        for teacher in teachers:
+            if os.path.normpath(teacher) in folders:
+                raise SystemExit(
+                    f"error: --parallel {parallel}: run {name}'s teacher {teacher} is trained in the same call; train "
+                    "the teacher in a call of its own (or with --parallel 1) first"
+                )
+
+
+def shared(r: dict, value: str) -> str:
+    """A time column of a run trained beside others: a share of a busy GPU, not its own GPU time."""
+    n = r.get("parallel", 1)
+    return f"{value} ({n} at once)" if n > 1 else value
 
 
 def flow_map_error(run_dir: str, weights: str, n: int, log: str) -> dict:
@@ -299,6 +335,7 @@ def report(results: dict, path: str) -> None:
     for r in results.values():
         teacher = teacher_run(r, results)
         with_teacher = f"{r['gpu_s'] + teacher['gpu_s']:.0f}" if teacher else "-"
+        step_ms, gpu_s = shared(r, f"{r['step_ms']:.1f}"), shared(r, f"{r['gpu_s']:.0f}")
         for weights, report in evaluations(r).items():
             found = report["results"]
             for k in scored_steps(r):
@@ -313,7 +350,7 @@ def report(results: dict, path: str) -> None:
                 fme = "-" if fme is None else f"{fme:.5f}"
                 lines.append(
                     f"| {r['name']} | {r['objective']} | {' '.join(r['overrides']) or '-'} | {r['train_steps']} | "
-                    f"{r['step_ms']:.1f} | {r['gpu_s']:.0f} | {with_teacher} | {weights} | {k} | {fid:.2f} | {acc} | {fd} | {faint} | {ratio} | {fme} |"
+                    f"{step_ms} | {gpu_s} | {with_teacher} | {weights} | {k} | {fid:.2f} | {acc} | {fd} | {faint} | {ratio} | {fme} |"
                 )
     lines += seed_table(results)
     with open(path, "w") as f:
@@ -415,6 +452,9 @@ def main() -> None:
     p.add_argument(
         "--flow-map-error", type=int, default=0, metavar="N", help="score distilled students against their teacher (N noises)"
     )
+    p.add_argument(
+        "--parallel", type=int, default=1, metavar="N", help="train and score N runs at once (step counts only; see above)"
+    )
     p.add_argument("--work", default="/tmp/flm-quality", help="run folders")
     p.add_argument("--report-only", action="store_true", help="rewrite quality.md from quality.json, run nothing")
     p.add_argument("--out", default="docs/quality", help="quality.json, quality.md, logs and grids")
@@ -428,11 +468,19 @@ def main() -> None:
         if args.seeds is None
         else [(seeded(spec, seed), spec.split(":", 1)[0]) for spec in specs for seed in args.seeds]
     )
-    for spec, group in runs:
-        entry = run_objective(spec, args, group)
-        results[entry["name"]] = entry
-        with open(results_path, "w") as f:
-            json.dump(results, f, indent=1)
+    check_parallel([spec for spec, _ in runs], args.parallel, args.work)
+    with concurrent.futures.ThreadPoolExecutor(args.parallel) as pool:  # each run is its own processes
+        futures = [pool.submit(run_objective, spec, args, group) for spec, group in runs]
+        for future in concurrent.futures.as_completed(futures):
+            try:
+                entry = future.result()
+            except BaseException:
+                for f in futures:  # a failed run stops the call, as one at a time; those running finish
+                    f.cancel()
+                raise
+            results[entry["name"]] = entry  # written as each run ends: a later failure keeps the earlier results
+            with open(results_path, "w") as f:
+                json.dump(results, f, indent=1)
     report(results, os.path.join(args.out, "quality.md"))
 
 

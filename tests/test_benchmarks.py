@@ -499,3 +499,49 @@ def test_fid_curve_tables_each_run_and_sampler_and_refuses_a_run_without_evaluat
         fid_curve.main([str(tmp_path / "a"), str(tmp_path / "none")])
     with pytest.raises(SystemExit, match="no metrics.jsonl"):
         fid_curve.main([str(tmp_path / "missing")])
+
+
+def test_parallel_runs_need_step_counts_and_no_teacher_of_the_same_call():
+    quality = load("quality")
+    fixed = ["fm:flow_matching:3500", "mf:meanflow:2710:objective.alpha_steps=[0,1355]"]
+    quality.check_parallel(fixed, 2, "/w")
+    quality.check_parallel(["mf:meanflow:194s", "fm:flow_matching:auto"], 1, "/w")  # one at a time: anything goes
+    quality.check_parallel(["s:scd:1040:objective.teacher=/elsewhere/fm", *fixed], 3, "/w")  # a teacher trained before
+    with pytest.raises(SystemExit, match="run mf has '194s'"):
+        quality.check_parallel(["fm:flow_matching:3500", "mf:meanflow:194s"], 2, "/w")
+    with pytest.raises(SystemExit, match="run fm has 'auto'"):
+        quality.check_parallel(["fm:flow_matching:auto"], 2, "/w")
+    with pytest.raises(SystemExit, match="run s's teacher /w/fm/ is trained in the same call"):
+        quality.check_parallel(["fm:flow_matching:3500", "s:scd:1040:objective.teacher=/w/fm/"], 2, "/w")
+    with pytest.raises(SystemExit, match="--parallel 0"):
+        quality.check_parallel(fixed, 0, "/w")
+
+
+def test_parallel_runs_train_side_by_side_and_are_marked_in_the_table(tmp_path, monkeypatch):
+    import threading
+
+    quality = load("quality")
+    together = threading.Barrier(2, timeout=30)  # breaks (and the test fails) unless two runs are in flight at once
+
+    def run_objective(spec, args, group=None):
+        name, objective, steps = spec.split(":")[:3]
+        together.wait()
+        fids = {1: 5.0, 2: 4.0} if objective == "meanflow" else {50: 3.0, 2: 9.0}
+        return {
+            **entry(name, objective, fids),
+            "train_steps": int(steps),
+            "parallel": args.parallel,
+            "device": "CPU",
+            "torch": "-",
+            "triton": "-",
+            "command": "-",
+        }
+
+    monkeypatch.setattr(quality, "run_objective", run_objective)
+    argv = ["quality.py", "--data-root", "d", "--inception", "i", "--out", str(tmp_path), "--parallel", "2"]
+    monkeypatch.setattr("sys.argv", [*argv, "--runs", "a:meanflow:100", "b:flow_matching:200"])
+    quality.main()
+    saved = json.loads((tmp_path / "quality.json").read_text())
+    assert sorted(saved) == ["a", "b"] and saved["a"]["train_steps"] == 100
+    rows = [line for line in (tmp_path / "quality.md").read_text().splitlines() if line.startswith("| a ")]
+    assert rows and all("| 1.0 (2 at once) | 0 (2 at once) |" in row for row in rows)
