@@ -108,7 +108,9 @@ def parse_args(argv=None):
     p.add_argument(
         "--count-ops",
         action="store_true",
-        help="an 'aten ops' column: the aten ops one eager step dispatches (casts in brackets), what its host time scales with",
+        help="an 'aten ops' column: the aten ops one eager step dispatches (casts in brackets), what its host time scales "
+        "with. On the CPU triton_jvp runs in Triton's interpreter, whose copies of each launch's arguments (set_, new_empty) "
+        "count too, as does the optimizer's unfused update: count on a GPU",
     )
     p.add_argument("--tiny", action="store_true", help="CPU smoke check: DiT-T/2, 16 tokens, fp32, 2 steps")
     p.add_argument(
