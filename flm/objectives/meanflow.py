@@ -474,6 +474,8 @@ class MeanFlow(Curricular, nn.Module):
         t, r = self.sample_times(x.shape[0], x.device, step)
         s = self.path.sample(x, torch.randn_like(x), t)
         s.dx_t = self.data_velocity(self.path, x, s, y_in, y, num_classes(model), step)
+        if self.cfg_omega != 1.0 or self.cfg_kappa != 0.0:  # guidance in training (refused with a teacher): every
+            s.dx_t = self._guided_velocity(model, s, y, y_in)  # target's v is the guided one, the map follows its flow
         if self.identity == "lagrangian":
             # at r = t the end point X is z_t itself: u_tgt is the velocity there, the teacher's or, without one, the
             # data's v (flow matching: the anchor of self-distillation; the model's own velocity there would be
@@ -483,22 +485,19 @@ class MeanFlow(Curricular, nn.Module):
                     return s.dx_t[i].float()
                 return teacher_velocity(teacher, s.x_t[i], t[i], _rows(y_in, i), self.teacher_cfg_scale).float()
 
-            if teacher is None and (self.cfg_omega != 1.0 or self.cfg_kappa != 0.0):
-                s.dx_t = self._guided_velocity(model, s, y, y_in)  # the diagonal learns the guided flow, the map follows it
             lagrangian = functools.partial(self._lagrangian_target, model, teacher=teacher)
             u_tgt, u = self._on_subset(model, s.x_t, t, r, y_in, lagrangian, diagonal, s.dx_t)
         else:
-            u_tgt, u = self._eulerian_target(model, s, r, y, y_in, teacher, ema, alpha)
+            u_tgt, u = self._eulerian_target(model, s, r, y_in, teacher, ema, alpha)
         if self.split_above is not None:
             u_tgt = self._with_split_targets(model, s.x_t, t, r, y_in, u_tgt, teacher, ema)
         return t, r, u.float() - u_tgt, s.x_t, u
 
-    def _eulerian_target(self, model, s, r, y, y_in, teacher=None, ema=None, alpha=None):
-        """(sg(u_tgt), u) of the MeanFlow identity (eq. 8) at the path sample s, or with alpha the consistency
-        curriculum's discrete target; y are the labels before dropout."""
+    def _eulerian_target(self, model, s, r, y_in, teacher=None, ema=None, alpha=None):
+        """(sg(u_tgt), u) of the MeanFlow identity (eq. 8) at the path sample s (its dx_t the guided v with guidance in
+        training), or with alpha the consistency curriculum's discrete target."""
         t = s.t
-        guided_training = self.cfg_omega != 1.0 or self.cfg_kappa != 0.0
-        v = self._guided_velocity(model, s, y, y_in) if guided_training else s.dx_t
+        v = s.dx_t
         if teacher is not None:
             v = teacher_velocity(teacher, s.x_t, t, y_in, self.teacher_cfg_scale)
 
