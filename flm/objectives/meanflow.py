@@ -349,17 +349,19 @@ class MeanFlow(Curricular, nn.Module):
                 f"of v, and this objective has identity={identity!r}, teacher={teacher!r} (the Lagrangian target already "
                 "takes the model's velocity, a teacher's is better); set objective.target_velocity=sample"
             )
-        if target_velocity != "sample" and adaptive_p >= 0.5:
+        # self-distillation in either identity: the r != t target is the model's own output
+        if target_velocity != "sample":
+            self_target = f"target_velocity={target_velocity}"
+        elif identity == "lagrangian" and not teacher:
+            self_target = "identity=lagrangian without a teacher (self-distillation)"
+        else:
+            self_target = None
+        if self_target and adaptive_p >= 0.5:
             raise ValueError(
-                f"target_velocity={target_velocity} with adaptive_p={adaptive_p}: a constant image meets the self-distilled "
-                "target exactly and a large p lets it outweigh the r = t samples (the CPU run collapsed at p = 1, and at "
-                "0.5 with the model's velocity; docs/quality.md); set objective.adaptive_p=0"
-            )
-        if identity == "lagrangian" and not teacher and adaptive_p >= 0.5:
-            raise ValueError(
-                f"identity=lagrangian without a teacher (self-distillation) with adaptive_p={adaptive_p}: its r != t target "
-                "is the model's own flow, which any field meets, and a large p lets those samples outweigh the r = t ones "
-                "that tie it to the data (at p = 1 the toy and the CPU MNIST run diverged; docs/quality.md); set "
+                f"{self_target} with adaptive_p={adaptive_p}: the r != t samples' target is the model's own output, which "
+                "a degenerate field meets exactly (a constant image the Eulerian one, any field's own flow the Lagrangian "
+                "one), and a large p lets those samples outweigh the r = t ones that tie it to the data (the CPU run "
+                "collapsed or diverged at p = 1, and at 0.5 with the model's velocity; docs/quality.md); set "
                 "objective.adaptive_p=0"
             )
         self.target_velocity = target_velocity
