@@ -144,9 +144,14 @@ def seeded(spec: str, seed: int) -> str:
     return ":".join([f"{name}_s{seed}", objective, steps, ",".join([*rest, f"trainer.seed={seed}"])])
 
 
-def run_objective(spec: str, args, group: str | None = None) -> dict:
+def parse_spec(spec: str) -> tuple[str, str, str, list[str]]:
+    """NAME:OBJECTIVE:STEPS[:override,...] -> (name, objective, steps, overrides)."""
     name, objective, steps, *rest = spec.split(":", 3)
-    overrides = split_overrides(rest[0]) if rest else []
+    return name, objective, steps, split_overrides(rest[0]) if rest else []
+
+
+def run_objective(spec: str, args, group: str | None = None) -> dict:
+    name, objective, steps, overrides = parse_spec(spec)
     run_dir = os.path.join(args.work, name)
     log = os.path.join(args.out, f"{name}.log")
     train = [
@@ -241,13 +246,13 @@ def check_parallel(specs: list[str], parallel: int, work: str) -> None:
         return
     folders = {os.path.normpath(os.path.join(work, spec.split(":", 1)[0])) for spec in specs}
     for spec in specs:
-        name, _, steps, *rest = spec.split(":", 3)
+        name, _, steps, overrides = parse_spec(spec)
         if steps == "auto" or steps.endswith("s"):
             raise SystemExit(
                 f"error: --parallel {parallel} needs step counts, and run {name} has {steps!r}: a time budget's probe "
                 "would time a GPU shared with the other runs. Give NAME:OBJECTIVE:STEPS, or use --parallel 1"
             )
-        teachers = [o.split("=", 1)[1] for o in (split_overrides(rest[0]) if rest else []) if o.startswith("objective.teacher=")]
+        teachers = [o.split("=", 1)[1] for o in overrides if o.startswith("objective.teacher=")]
         for teacher in teachers:
             if os.path.normpath(teacher) in folders:
                 raise SystemExit(
