@@ -545,3 +545,20 @@ def test_parallel_runs_train_side_by_side_and_are_marked_in_the_table(tmp_path, 
     assert sorted(saved) == ["a", "b"] and saved["a"]["train_steps"] == 100
     rows = [line for line in (tmp_path / "quality.md").read_text().splitlines() if line.startswith("| a ")]
     assert rows and all("| 1.0 (2 at once) | 0 (2 at once) |" in row for row in rows)
+
+
+def test_ot_pairing_assignment_is_the_best_permutation_and_shortens_the_segments(capsys):
+    """The assignment's cost against every permutation of a small matrix; on the shipped digits the OT pairing over the
+    batch is shorter than within each class (a constrained assignment), which is shorter than the independent one."""
+    import itertools
+
+    import numpy as np
+
+    ot = load("ot_pairing")
+    cost = np.random.default_rng(0).random((5, 5))
+    best = min(sum(cost[i, j] for i, j in enumerate(perm)) for perm in itertools.permutations(range(5)))
+    assert ot.assigned_cost(cost) == pytest.approx(best)
+    ot.main(["--dataset", "mnist_shipped", "--batches", "64", "--repeats", "1"])
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| 64 |"))
+    independent, batch_ot, _, class_ot, _ = [float(c.strip().rstrip("%")) for c in row.split("|")[2:-1]]
+    assert batch_ot < class_ot < independent
