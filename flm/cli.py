@@ -33,12 +33,19 @@ def user_error(e: BaseException) -> BaseException | None:
 
 # What each recorded folder held before Hydra wrote into it (absolute path -> names; None: it did not exist).
 _BEFORE: dict[str, set[str] | None] = {}
+# The folders above each recorded one that did not exist either, deepest first (the default run_dir's date folder).
+_MISSING_PARENTS: dict[str, list[str]] = {}
 
 
 def record_folder(path: str) -> None:
-    """Note what `path` holds now, before Hydra creates or writes into it."""
+    """Note what `path` holds now, and which folders above it do not exist yet, before Hydra creates or writes into it."""
     path = os.path.abspath(path)
     _BEFORE[path] = set(os.listdir(path)) if os.path.isdir(path) else None
+    missing, parent = [], os.path.dirname(path)
+    while parent != os.path.dirname(parent) and not os.path.exists(parent):
+        missing.append(parent)
+        parent = os.path.dirname(parent)
+    _MISSING_PARENTS[path] = missing
 
 
 class RecordRunFolder(Callback):
@@ -64,8 +71,9 @@ def names_before(run_dir: str) -> set[str] | None:
 
 def remove_what_the_run_wrote(run_dir: str) -> None:
     """Undo a run that failed before writing anything of its own: remove the files Hydra added for it
-    (.hydra/, the job's log), its lock file and the folder itself if the run created it. Anything else in the folder,
-    and every folder the run did not record (flm.cli.RecordRunFolder), stays as it is."""
+    (.hydra/, the job's log), its lock file and the folder itself if the run created it, with the folders above it that
+    the run created and that are still empty. Anything else in the folder, and every folder the run did not record
+    (flm.cli.RecordRunFolder), stays as it is."""
     run_dir = os.path.abspath(run_dir)
     try:
         before = names_before(run_dir)
@@ -84,6 +92,11 @@ def remove_what_the_run_wrote(run_dir: str) -> None:
             os.remove(target)
     if before is None and not os.listdir(run_dir):
         os.rmdir(run_dir)
+        for parent in _MISSING_PARENTS.get(run_dir, []):
+            try:
+                os.rmdir(parent)  # only if empty: another run may have started in it since
+            except OSError:
+                break
 
 
 @contextlib.contextmanager

@@ -110,13 +110,23 @@ def tensor_bytes(obj) -> int:
     return 0
 
 
+def unreadable_reason(path: str, e: Exception) -> str:
+    """Why torch.load refused `path`, in a few words. Never torch's own advice for weights_only refusals: it suggests
+    weights_only=False, which would let the file run code."""
+    if not zipfile.is_zipfile(path):
+        return "not a zip archive, which torch.save writes: cut short, or another kind of file"
+    if "Weights only load failed" in str(e):
+        return "it holds Python objects besides tensors, which flm does not unpickle: loading them could run code"
+    return f"{type(e).__name__}: {(str(e).splitlines() or ['empty file'])[0]}"
+
+
 def load(path: str) -> dict:
     """The bundle in `path` on the CPU; a clear error when it is truncated or not an flm checkpoint."""
     try:
         bundle = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
         raise ValueError(
-            f"checkpoint {path!r} is truncated or unreadable ({type(e).__name__}: {(str(e).splitlines() or ['empty file'])[0]}); "
+            f"checkpoint {path!r} is truncated or unreadable ({unreadable_reason(path, e)}); "
             f"delete it to use the previous one, or pass another checkpoint"
         ) from None
     if not isinstance(bundle, dict) or bundle.get("format") != FORMAT or "model_args" not in bundle:

@@ -77,6 +77,20 @@ def test_a_failed_run_keeps_a_folder_it_did_not_create(tmp_path, content):
     assert all((folder / name).read_text().startswith(text) for name, text in content.items())
 
 
+def test_a_failed_run_removes_the_folders_it_created_above_its_own(tmp_path):
+    """The default run_dir is outputs/<date>/<time>: a run refused at its first line leaves no empty date folder, and
+    keeps a folder above its own that held something before or holds something now."""
+    (tmp_path / "kept").mkdir()
+    run_dir = tmp_path / "kept" / "day" / "time"
+    rc, _, err = run_script("train", *TINY, f"run_dir={run_dir}", "trainer.batch_size=0")
+    assert rc == 1 and "trainer.batch_size must be > 0" in err
+    assert os.listdir(tmp_path / "kept") == []
+    (tmp_path / "kept" / "day").mkdir()
+    (tmp_path / "kept" / "day" / "other").mkdir()
+    rc, _, err = run_script("train", *TINY, f"run_dir={run_dir}", "trainer.batch_size=0")
+    assert rc == 1 and os.listdir(tmp_path / "kept" / "day") == ["other"]
+
+
 def test_a_failed_multirun_job_removes_only_its_own_folder(tmp_path):
     (tmp_path / "notes.txt").write_text("mine\n")
     rc, _, err = run_script("train", "-m", *TINY, "trainer.batch_size=0", f"hydra.sweep.dir={tmp_path}")
@@ -313,3 +327,18 @@ def test_a_stalled_rank_ends_the_run_after_the_collective_timeout(tmp_path):
     )
     assert proc.returncode != 0 and "rank 0 stopped after" in proc.stdout, proc.stdout + proc.stderr
     assert time.time() - t < 60
+
+
+def test_an_unreadable_checkpoint_is_named_without_torchs_advice_to_unpickle_it(tmp_path):
+    """torch's weights_only refusal suggests weights_only=False (which runs the file's code): the error says why the
+    file cannot be read instead, for a file that is no zip archive and for one that pickles a callable."""
+    garbage = tmp_path / "garbage.pt"
+    garbage.write_bytes(b"not a checkpoint\n")
+    with pytest.raises(ValueError, match="not a zip archive") as e:
+        checkpoint.load(str(garbage))
+    assert "weights_only" not in str(e.value)
+    crafted_file = tmp_path / "crafted.pt"
+    torch.save({"format": checkpoint.FORMAT, "run": os.system}, crafted_file)
+    with pytest.raises(ValueError, match="Python objects besides tensors") as e:
+        checkpoint.load(str(crafted_file))
+    assert "weights_only" not in str(e.value)
