@@ -42,6 +42,7 @@ import argparse
 import ast
 import concurrent.futures
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -325,18 +326,17 @@ def report(results: dict, path: str) -> None:
     lines += [
         "",
         "| run | objective | overrides | training steps | ms/step | GPU s | GPU s with teacher | weights | sampler steps "
-        "| FID | label accuracy | digit FD | faint pixels | FID / best FM 50-step | flow-map error |",
+        "| FID | label accuracy | digit FD | faint pixels | FID / best FM 50-step on its GPU | flow-map error |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    # the ratio's baseline is the best 50-step flow-matching FID in the table (the strictest comparison)
-    fm = [
-        e["results"]["fid_steps50"]
-        for r in results.values()
-        if r["objective"] == "flow_matching"
-        for e in evaluations(r).values()
-        if "fid_steps50" in e["results"]
-    ]
-    base = min(fm, default=None)
+    # the ratio's baseline is the best 50-step flow-matching FID in the table (the strictest comparison) from a run on
+    # the same kind of GPU: another card's arithmetic moves FID by a few percent (docs/quality.md, thirty-fifth day)
+    base: dict[str, float] = {}
+    for r in results.values():
+        if r["objective"] == "flow_matching":
+            for e in evaluations(r).values():
+                if "fid_steps50" in e["results"]:
+                    base[r["device"]] = min(base.get(r["device"], math.inf), e["results"]["fid_steps50"])
     for r in results.values():
         teacher = teacher_run(r, results)
         with_teacher = f"{r['gpu_s'] + teacher['gpu_s']:.0f}" if teacher else "-"
@@ -345,7 +345,7 @@ def report(results: dict, path: str) -> None:
             found = report["results"]
             for k in scored_steps(r):
                 fid, acc = found[f"fid_steps{k}"], found.get(f"label_acc_steps{k}")
-                ratio = f"{fid / base:.2f}" if base else "-"
+                ratio = f"{fid / base[r['device']]:.2f}" if r["device"] in base else "-"
                 acc = f"{100 * acc:.1f} %" if acc is not None else "-"
                 fd = found.get(f"digit_fd_steps{k}")
                 fd = f"{fd:.3f}" if fd is not None else "-"

@@ -77,6 +77,15 @@ def test_report_divides_by_the_best_flow_matching_50_step_fid(tmp_path):
     assert [row.split("|")[-4].strip() for row in rows] == ["-", "4.12 %"]  # the faint pixels' share, likewise
     assert all("| ema |" in row for row in rows)  # an old entry's single evaluation is the run's first EMA
     assert all(row.split("|")[6:8] == [" 50 ", " 251 "] for row in rows)  # its GPU s, and with its teacher b's
+    results["c"]["device"] = "NVIDIA H100"  # another card: no flow-matching run of its own, so no ratio
+    results["a"]["device"] = "NVIDIA H100"
+    quality.report(json.loads(json.dumps(results)), tmp_path / "q.md")
+    rows = [line for line in (tmp_path / "q.md").read_text().splitlines() if line.startswith("| c ")]
+    assert [row.split("|")[-3].strip() for row in rows] == ["1.20", "0.90"]  # against a, its card's only one
+    del results["a"]
+    quality.report(json.loads(json.dumps(results)), tmp_path / "q.md")
+    rows = [line for line in (tmp_path / "q.md").read_text().splitlines() if line.startswith("| c ")]
+    assert [row.split("|")[-3].strip() for row in rows] == ["-", "-"]
 
 
 def test_extra_sampler_steps_are_scored_and_reported_beside_the_objectives_own(tmp_path):
