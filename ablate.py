@@ -11,12 +11,15 @@ Writes run_dir/ablation.md, ablation.png and ablation.json. Bad input ends with 
 and exit code 1.
 """
 
+import os
+import sys
+
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from flm.ablate import ablate
-from flm.cli import report_user_errors
+from flm.cli import check_model_choices, report_user_errors
 
 
 @hydra.main(config_path="configs", config_name="ablate", version_base="1.3")
@@ -29,4 +32,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    check_model_choices(sys.argv[1:], os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs"))
     main()

@@ -16,13 +16,16 @@ what is wrong and how to fix it, and exit code 1 (HYDRA_FULL_ERROR=1 shows the t
 multirun the other jobs still run, and the failed ones are listed at the end.
 """
 
+import os
+import sys
+
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from flm.train import train
-from flm.cli import exit_if_jobs_failed, report_user_errors
+from flm.cli import check_model_choices, exit_if_jobs_failed, report_user_errors
 from flm.train.config import build_group
 
 
@@ -51,5 +54,6 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    check_model_choices(sys.argv[1:], os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs"))
     main()
     exit_if_jobs_failed()

@@ -31,6 +31,25 @@ def user_error(e: BaseException) -> BaseException | None:
     return None
 
 
+def check_model_choices(argv: list[str], config_dir: str) -> None:
+    """Refuse a `model=NAME` override that names no model config, in one line that lists the models. The model configs
+    are nested folders (model/DiT-S/2.yaml), for which Hydra's own error lists no options. Sweeps (`model=A,B`) are
+    checked name by name; Hydra's sweep functions (choice(...), glob(...)) are left to Hydra."""
+    models = os.path.join(config_dir, "model")
+    for arg in argv:
+        if not arg.startswith("model=") or "(" in arg:
+            continue
+        for name in arg.split("=", 1)[1].split(","):
+            if not os.path.isfile(os.path.join(models, name + ".yaml")):
+                valid = sorted(
+                    os.path.relpath(os.path.join(root, f), models)[: -len(".yaml")]
+                    for root, _, files in os.walk(models)
+                    for f in files
+                    if f.endswith(".yaml")
+                )
+                sys.exit(f"error: model={name} is not a model; valid: {', '.join(valid)}")
+
+
 # What each recorded folder held before Hydra wrote into it (absolute path -> names; None: it did not exist).
 _BEFORE: dict[str, set[str] | None] = {}
 # The folders above each recorded one that did not exist either, deepest first (the default run_dir's date folder).

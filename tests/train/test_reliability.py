@@ -342,3 +342,17 @@ def test_an_unreadable_checkpoint_is_named_without_torchs_advice_to_unpickle_it(
     with pytest.raises(ValueError, match="Python objects besides tensors") as e:
         checkpoint.load(str(crafted_file))
     assert "weights_only" not in str(e.value)
+
+
+@pytest.mark.parametrize("script", ["train", "ablate"])
+def test_a_model_that_does_not_exist_is_one_line_that_lists_the_models(tmp_path, script):
+    """model=DiT-X/2 (a nested config group, for which Hydra lists no options), alone and in a sweep: one line with the
+    valid names, before Hydra writes anything."""
+    for value in ["DiT-X/2", "DiT-T/4,DiT-Q/2"]:
+        rc, _, err = run_script(
+            script, f"model={value}", f"run_dir={tmp_path / 'run'}", f"hydra.sweep.dir={tmp_path / 'm'}", cwd=tmp_path
+        )
+        bad = value.split(",")[-1]
+        assert rc == 1 and err.strip() == err.strip().splitlines()[0]
+        assert err.startswith(f"error: model={bad} is not a model; valid: ") and "DiT-S/2" in err and "DiT-XL/2" in err
+        assert os.listdir(tmp_path) == []
