@@ -110,6 +110,10 @@ def tensor_bytes(obj) -> int:
     return 0
 
 
+# what to do about a checkpoint that cannot be loaded, for a resume (it takes the latest checkpoint) and for sampling
+INSTEAD = "pass another checkpoint, or delete it so that a resume or a run folder takes the one before it"
+
+
 def unreadable_reason(path: str, e: Exception) -> str:
     """Why torch.load refused `path`, in a few words. Never torch's own advice for weights_only refusals: it suggests
     weights_only=False, which would let the file run code."""
@@ -125,18 +129,12 @@ def load(path: str) -> dict:
     try:
         bundle = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
-        raise ValueError(
-            f"checkpoint {path!r} is truncated or unreadable ({unreadable_reason(path, e)}); "
-            f"delete it to use the previous one, or pass another checkpoint"
-        ) from None
+        raise ValueError(f"checkpoint {path!r} is truncated or unreadable ({unreadable_reason(path, e)}); {INSTEAD}") from None
     if not isinstance(bundle, dict) or bundle.get("format") != FORMAT or "model_args" not in bundle:
         raise ValueError(f"{path!r} is not an flm checkpoint (format {FORMAT}); pass a file written by train.py")
     damaged = zipfile.ZipFile(path).testzip()  # torch.save's zip records carry CRC-32s; torch.load does not check them
     if damaged is not None:
-        raise ValueError(
-            f"checkpoint {path!r} is damaged (checksum mismatch in {damaged}); delete it to use the "
-            f"previous one, or pass another checkpoint"
-        )
+        raise ValueError(f"checkpoint {path!r} is damaged (checksum mismatch in {damaged}); {INSTEAD}")
     return bundle
 
 

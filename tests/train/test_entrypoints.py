@@ -45,7 +45,7 @@ def test_multirun(tmp_path):
 @pytest.mark.parametrize(
     "override,expected",
     [
-        ("model=DiT-Q/9", "Could not find 'model/DiT-Q/9'"),
+        ("model=DiT-Q/9", "error: model=DiT-Q/9 is not a model; valid: DiT-B/2"),
         ("trainer.no_such_key=1", "Key 'no_such_key' is not in struct"),
     ],
 )
