@@ -40,6 +40,7 @@ def check_model_choices(argv: list[str], config_dir: str) -> None:
         if not arg.startswith("model=") or "(" in arg:
             continue
         for name in arg.split("=", 1)[1].split(","):
+            name = name.strip().strip("'\"")  # Hydra's grammar takes quoted values
             if not os.path.isfile(os.path.join(models, name + ".yaml")):
                 valid = sorted(
                     os.path.relpath(os.path.join(root, f), models)[: -len(".yaml")]

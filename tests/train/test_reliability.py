@@ -356,3 +356,12 @@ def test_a_model_that_does_not_exist_is_one_line_that_lists_the_models(tmp_path,
         assert rc == 1 and err.strip() == err.strip().splitlines()[0]
         assert err.startswith(f"error: model={bad} is not a model; valid: ") and "DiT-S/2" in err and "DiT-XL/2" in err
         assert os.listdir(tmp_path) == []
+
+
+def test_the_model_check_passes_quoted_names_sweeps_and_the_models_own_keys():
+    from flm.cli import check_model_choices
+
+    configs = os.path.join(os.path.dirname(__file__), "..", "..", "configs")
+    check_model_choices(["model='DiT-S/2'", "model=DiT-T/4, DiT-S/2", "model.prediction=data", "model=choice(a,b)"], configs)
+    with pytest.raises(SystemExit, match="model=DiT-S/3 is not a model"):
+        check_model_choices(["model.prediction=data", "model=DiT-S/3"], configs)
