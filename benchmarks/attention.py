@@ -4,7 +4,8 @@
     PYTHONPATH=. python benchmarks/attention.py --head-dims 64 --tokens 1024 4096 --out results/
     PYTHONPATH=. python benchmarks/attention.py --backwards cudnn triton   # the backward alone, per implementation
 
-bf16, batch x heads = 64 (heads = 16). Kernel times are medians of CUDA-graph replays (GPU time; the
+bf16, batch x heads = 64 (heads = 16; --batch-heads and --heads change them: a DiT-S/2 MNIST step at batch 256 runs
+256 x 6 = 1536 at 196 tokens). Kernel times are medians of CUDA-graph replays (GPU time; the
 fused path's host overhead per call is its own column); math JVP is timed eagerly (GPU-bound). FLOPs of a forward: 4 * B * H * Lq * Lkv * D; the JVP forward is
 counted as 3 forwards (six matmuls instead of two). Peak memory is what the call allocates on top of
 its inputs (outputs included). "first call" is the wall time of the first call at a new shape,
@@ -204,8 +205,12 @@ def main(argv=None):
     ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 72, 128])
     ap.add_argument("--tokens", type=int, nargs="+", default=[256, 1024, 4096, 16384])
     ap.add_argument("--backwards", nargs="+", choices=list(triton_jvp.BACKWARDS), help="time these backwards alone")
+    ap.add_argument("--batch-heads", type=int, default=64, help="batch x heads of every row (a multiple of --heads)")
+    ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--out", default=os.environ.get("OUT"), help="folder for results.json and a plot")
     args = ap.parse_args(argv)
+    if args.heads < 1 or args.batch_heads < args.heads or args.batch_heads % args.heads:
+        ap.error(f"--batch-heads ({args.batch_heads}) must be a positive multiple of --heads ({args.heads})")
     props = torch.cuda.get_device_properties(0)
     if args.backwards:
         run_backwards(args, props)
@@ -215,10 +220,10 @@ def main(argv=None):
     rows = []
     for d in args.head_dims:
         for n in args.tokens:
-            rows.append(run_row(d, n))
+            rows.append(run_row(d, n, heads=args.heads, bh=args.batch_heads))
             print(json.dumps(rows[-1]), flush=True)
 
-    print(f"\n{props.name}, torch {torch.__version__}, triton {triton.__version__}, bf16, batch x heads = 64")
+    print(f"\n{props.name}, torch {torch.__version__}, triton {triton.__version__}, bf16, batch x heads = {args.batch_heads}")
     print(f"bf16 matmul 8192^3: {peak:.0f} TFLOP/s (ceiling)\n")
     print(
         "| head dim | tokens | fused JVP ms | fused JVP TFLOP/s | of matmul peak | FA2 fwd TFLOP/s | cuDNN fwd TFLOP/s "
@@ -249,9 +254,9 @@ def run_backwards(args, props):
     for d in args.head_dims:
         for n in args.tokens:
             for causal in (False, True):
-                rows.append(backward_row(d, n, causal, names))
+                rows.append(backward_row(d, n, causal, names, heads=args.heads, bh=args.batch_heads))
                 print(json.dumps(rows[-1]), flush=True)
-    print(f"\n{props.name}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}, bf16, batch x heads = 64")
+    print(f"\n{props.name}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}, bf16, batch x heads = {args.batch_heads}")
     print("the fused attention's backward alone, fed with flm's O and lse\n")
     print(backward_table(rows, names))
     if args.out:

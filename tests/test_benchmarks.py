@@ -297,6 +297,14 @@ def test_attention_train_table_rows_and_ratio():
     assert lines[1].count("---") == lines[0].count("|") - 1
 
 
+def test_attention_batch_heads_must_be_a_multiple_of_heads(capsys):
+    attention = load("attention")
+    for argv in (["--batch-heads", "100"], ["--batch-heads", "8"], ["--heads", "0"]):  # heads 16 by default
+        with pytest.raises(SystemExit):
+            attention.main(argv)
+        assert "--batch-heads" in capsys.readouterr().err
+
+
 def test_flow_map_error_against_exact_straight_flows():
     """Data at a point a: the teacher's exact velocity (z - a) / t makes every Euler solution land on a, so the
     teacher's few-step rows are 0; a student u = (z - a) / t + c lands at a - c t per jump, c^2 off at 1 step."""
