@@ -256,7 +256,9 @@ def run_backwards(args, props):
             for causal in (False, True):
                 rows.append(backward_row(d, n, causal, names, heads=args.heads, bh=args.batch_heads))
                 print(json.dumps(rows[-1]), flush=True)
-    print(f"\n{props.name}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}, bf16, batch x heads = {args.batch_heads}")
+    print(
+        f"\n{props.name}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}, bf16, batch x heads = {args.batch_heads}"
+    )
     print("the fused attention's backward alone, fed with flm's O and lse\n")
     print(backward_table(rows, names))
     if args.out:
