@@ -200,7 +200,7 @@ class InTraining:
                 n=trainer.eval_n,
                 steps=trainer.eval_steps or [sample_steps],
                 cfg_scale=trainer.sample_cfg_scale,
-                batch_size=batch_size,
+                batch_size=trainer.eval_batch_size or batch_size,
                 device=device,
                 amp_dtype=amp_dtype,
                 inception=trainer.eval_inception,

@@ -41,6 +41,7 @@ class TrainerConfig:
     eval_every: int = 0  # FID (and label accuracy on MNIST-like data) of the EMA weights every N steps and at the end; 0: never
     eval_n: int = 10000  # images per step count
     eval_steps: list[int] | None = None  # sampler step counts to score; null: [the grids' sampler steps]
+    eval_batch_size: int | None = None  # images per sampling batch on each rank; null: the training micro-batch
     eval_inception: str | None = None  # the FID Inception TorchScript; null: $FLM_FID_INCEPTION
     eval_cache: str | None = None  # reference statistics folder; null: $FLM_FID_CACHE, else ~/.cache/flm/fid
     collective_timeout_s: float = 600.0  # a rank that waits this long for a stalled one ends the run with an error
@@ -58,6 +59,10 @@ class TrainerConfig:
                 raise ValueError(f"trainer.{name} must be >= 0 (0 = at the end only / keep all), got {getattr(self, name)}")
         if self.eval_every < 0:
             raise ValueError(f"trainer.eval_every must be >= 0 (0: no evaluation), got {self.eval_every}")
+        if self.eval_batch_size is not None and not self.eval_batch_size > 0:
+            raise ValueError(
+                f"trainer.eval_batch_size must be > 0 (or null: the training micro-batch), got {self.eval_batch_size}"
+            )
         if self.precision not in ("auto", "bf16", "fp32"):
             raise ValueError(f"trainer.precision must be auto, bf16 or fp32, got {self.precision!r}")
         if self.parallel not in PARALLEL:

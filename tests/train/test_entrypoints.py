@@ -64,6 +64,7 @@ def test_bad_value_is_one_line_and_leaves_nothing(tmp_path):
     "override,expected",
     [
         ("trainer.batch_size=-4", "trainer.batch_size must be > 0, got -4"),
+        ("trainer.eval_batch_size=0", "trainer.eval_batch_size must be > 0 (or null: the training micro-batch), got 0"),
         ("optim.lr=0", "optim.lr must be a finite number > 0, got 0"),
         ("optim.lr=-1e-3", "optim.lr must be a finite number > 0, got -0.001"),
         ("optim.lr=inf", "optim.lr must be a finite number > 0, got inf"),

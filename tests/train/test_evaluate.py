@@ -235,6 +235,7 @@ def test_in_loop_evaluation_is_logged(run, train_run, tmp_path):
         [
             "trainer.eval_every=2",
             "trainer.eval_n=6",
+            "trainer.eval_batch_size=4",  # two sampling batches of 4 and 2, not the training batch
             "trainer.eval_steps=[1,2]",
             f"trainer.eval_inception={run['inception']}",
             f"trainer.eval_cache={tmp_path / 'cache'}",
@@ -253,6 +254,24 @@ def test_in_loop_evaluation_is_logged(run, train_run, tmp_path):
     report = (tmp_path / "curve" / "fid_curve.md").read_text()
     assert f"| 4 | {evals[1]['fid_steps1']:.4g} | {evals[1]['fid_steps2']:.4g} |" in report
     assert (tmp_path / "curve" / "fid_curve.png").stat().st_size > 0
+
+
+def test_in_loop_evaluation_samples_in_eval_batch_size(monkeypatch):
+    from types import SimpleNamespace
+
+    from flm.train import evaluation
+
+    built = []
+    monkeypatch.setattr(evaluation, "Evaluator", lambda **kwargs: built.append(kwargs["batch_size"]))
+    for eval_batch_size, expected in ((None, 64), (1000, 1000)):
+        trainer = SimpleNamespace(
+            eval_every=10, max_steps=100, eval_n=10, eval_steps=[1], sample_cfg_scale=1.0, eval_batch_size=eval_batch_size,
+            eval_inception=None, eval_cache=None,
+        )  # fmt: skip
+        evaluation.InTraining(
+            trainer, None, shape=(1, 28, 28), num_classes=10, device="cpu", amp_dtype=None, batch_size=64, sample_steps=2
+        )
+        assert built[-1] == expected
 
 
 def test_in_loop_evaluation_fails_before_training(train_run, tmp_path):
