@@ -2,11 +2,14 @@
 metrics.jsonl, as a table and a plot (issue 11: a curve, not an extrapolation of one).
 
     python train.py ... trainer.eval_every=1000 'trainer.eval_steps=[1,2]' trainer.eval_inception=INCEPTION run_dir=RUN
-    python benchmarks/fid_curve.py RUN [RUN ...] [--metric fid] [--out DIR]
+    python benchmarks/fid_curve.py RUN [RUN ...] [--metric fid] [--x step|gpu_s] [--out DIR]
 
 One column per run and sampler step count (`fid_steps<k>`, or `--metric label_acc` for `label_acc_steps<k>`, and so
-on), one row per evaluated training step; a dash where a run did not evaluate at that step. `--out DIR` writes
-DIR/<metric>_curve.md and, where matplotlib is installed, DIR/<metric>_curve.png.
+on), one row per evaluated training step; a dash where a run did not evaluate at that step. `--x gpu_s` puts each
+point at the run's seconds of training instead (flm.log.training_seconds: its logged windows' steps x ms/step, the
+windows that hold compilation or an evaluation at the run's median), one row per point: runs of objectives whose steps
+cost differently, compared at equal time. `--out DIR` writes DIR/<metric>_curve.md and, where matplotlib is installed,
+DIR/<metric>_curve.png.
 """
 
 import argparse
@@ -14,7 +17,7 @@ import os
 import re
 import sys
 
-from flm.log import read_metrics
+from flm.log import read_metrics, training_seconds
 
 
 def series(run: str, metric: str) -> dict[str, dict[int, float]]:
@@ -34,6 +37,33 @@ def series(run: str, metric: str) -> dict[str, dict[int, float]]:
     return {f"{name} {k} step{'s' if k > 1 else ''}": points for k, points in sorted(found.items())}
 
 
+def seconds_at(run: str):
+    """step -> the run's seconds of training up to it, linear within each logged window."""
+    ends = [(0, 0.0), *training_seconds(read_metrics(run))]
+
+    def at(step: int) -> float:
+        for (a, ta), (b, tb) in zip(ends, ends[1:]):
+            if step <= b:
+                return ta + (step - a) * (tb - ta) / (b - a)
+        (a, ta), (b, tb) = ends[-2:]  # past the last window: at its rate
+        return tb + (step - b) * (tb - ta) / (b - a)
+
+    return at
+
+
+def timed(curves: dict[str, dict[int, float]], runs: dict[str, str]) -> dict[str, dict[float, tuple[int, float]]]:
+    """The curves keyed by seconds of training: {name: {seconds: (step, value)}}; runs: curve name -> its run folder."""
+    clocks = {run: seconds_at(run) for run in set(runs.values())}
+    return {name: {clocks[runs[name]](s): (s, v) for s, v in points.items()} for name, points in curves.items()}
+
+
+def time_table(curves: dict[str, dict[float, tuple[int, float]]], metric: str) -> str:
+    rows = sorted((sec, name, step, v) for name, points in curves.items() for sec, (step, v) in points.items())
+    lines = [f"| GPU s of training | curve | training step | {metric} |", "|---|---|---|---|"]
+    lines += [f"| {sec:.0f} | {name} | {step} | {v:.4g} |" for sec, name, step, v in rows]
+    return "\n".join(lines)
+
+
 def table(curves: dict[str, dict[int, float]], metric: str) -> str:
     steps = sorted({s for points in curves.values() for s in points})
     lines = [
@@ -46,7 +76,7 @@ def table(curves: dict[str, dict[int, float]], metric: str) -> str:
     return "\n".join(lines)
 
 
-def plot(curves: dict[str, dict[int, float]], metric: str, path: str) -> None:
+def plot(curves: dict[str, dict[float, float]], metric: str, path: str, x: str = "step") -> None:
     try:
         import matplotlib
 
@@ -56,10 +86,11 @@ def plot(curves: dict[str, dict[int, float]], metric: str, path: str) -> None:
         return
     fig, ax = plt.subplots(figsize=(6, 4))
     for name, points in curves.items():
-        steps = sorted(points)
-        ax.plot(steps, [points[s] for s in steps], "o-", label=name)
+        xs = sorted(points)
+        ax.plot(xs, [points[s] for s in xs], "o-", label=name)
     label = "FID" if metric == "fid" else metric
-    ax.set(xlabel="training step", ylabel=label, title=f"{label} against training steps (as measured)")
+    xlabel, against = ("training step", "training steps") if x == "step" else ("GPU seconds of training", "training time")
+    ax.set(xlabel=xlabel, ylabel=label, title=f"{label} against {against} (as measured)")
     if metric == "fid" and all(v > 0 for points in curves.values() for v in points.values()):
         ax.set_yscale("log")
     ax.legend(fontsize=7)
@@ -72,21 +103,30 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("runs", nargs="+", help="train.py run folders that evaluated in training (trainer.eval_every)")
     p.add_argument("--metric", default="fid", help="fid, label_acc, digit_fd or faint: what the evaluation logged")
+    p.add_argument("--x", choices=("step", "gpu_s"), default="step", help="training steps, or seconds of training")
     p.add_argument("--out", default=None, help="folder for <metric>_curve.md and .png")
     args = p.parse_args(argv)
-    curves = {}
+    curves, runs = {}, {}
     try:
         for run in args.runs:
-            curves.update(series(run, args.metric))
+            found = series(run, args.metric)
+            curves.update(found)
+            runs.update(dict.fromkeys(found, run))
+        if args.x == "gpu_s":
+            by_time = timed(curves, runs)
+            report = time_table(by_time, args.metric)
+            curves = {name: {sec: v for sec, (_, v) in points.items()} for name, points in by_time.items()}
+        else:
+            report = table(curves, args.metric)
     except (FileNotFoundError, ValueError) as err:
         raise SystemExit(f"error: {err}") from None
-    report = table(curves, args.metric)
     print(report)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
+        command = f"python benchmarks/fid_curve.py {' '.join(args.runs)} --metric {args.metric} --x {args.x}"
         with open(os.path.join(args.out, f"{args.metric}_curve.md"), "w") as f:
-            f.write(f"    python benchmarks/fid_curve.py {' '.join(args.runs)} --metric {args.metric}\n\n{report}\n")
-        plot(curves, args.metric, os.path.join(args.out, f"{args.metric}_curve.png"))
+            f.write(f"    {command}\n\n{report}\n")
+        plot(curves, args.metric, os.path.join(args.out, f"{args.metric}_curve.png"), args.x)
     return 0
 
 

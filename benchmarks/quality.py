@@ -51,7 +51,7 @@ import time
 
 import torch
 
-from flm.log import read_metrics
+from flm.log import read_metrics, training_seconds
 
 SAMPLER_STEPS = {
     "flow_matching": [50, 2],
@@ -101,16 +101,12 @@ def steady_step_ms(run_dir: str, rows: list[dict] | None = None) -> float:
 
 
 def steady_gpu_seconds(run_dir: str) -> float:
-    """A run's training time: each logged window's steps x its ms/step, the first window (compilation, capture) at the
-    median of the others. A sum, not steps x median: a run whose steps change cost (MeanFlow's consistency curriculum,
-    objective.alpha_steps, takes no JVP before its hand-over) is charged for each kind of step. A resumed run's first
-    window (after a time budget's probe) holds its capture too, and is charged as logged."""
-    rows = logged_windows(run_dir)
-    median, total, last = steady_step_ms(run_dir, rows), 0.0, 0
-    for i, r in enumerate(rows):
-        total += (r["step"] - last) * (median if i == 0 else r["step_ms"])
-        last = r["step"]
-    return total / 1000
+    """A run's training time (flm.log.training_seconds): each logged window's steps x its ms/step, the first window
+    (compilation, capture) at the median of the others. A sum, not steps x median: a run whose steps change cost
+    (MeanFlow's consistency curriculum, objective.alpha_steps, takes no JVP before its hand-over) is charged for each kind
+    of step. A resumed run's first window (after a time budget's probe) holds its capture too, and is charged as logged."""
+    logged_windows(run_dir)  # at least two, or the --probe-steps advice
+    return training_seconds(read_metrics(run_dir))[-1][1]
 
 
 def curriculum_end(overrides: list[str]) -> int | None:

@@ -6,6 +6,7 @@ Only rank 0 writes; other ranks get a logger whose methods do nothing.
 import json
 import math
 import os
+import statistics
 import time
 from dataclasses import dataclass
 
@@ -84,6 +85,27 @@ def read_metrics(run_dir: str) -> list[dict]:
                 if line.endswith("\n"):  # a damaged line inside the file, not a last line cut off
                     raise ValueError(f"{path}: a line is not JSON: {line[:80]!r}") from None
     return records
+
+
+def training_seconds(records: list[dict]) -> list[tuple[int, float]]:
+    """(step, seconds of training up to it) at each logged window's end, from a run's metrics records: each window's
+    steps x its ms/step, except the first (compilation, CUDA-graph capture) and any window that holds an in-loop
+    evaluation (its step_ms counts the sampling too), which are charged at the median of the others. A sum, not steps x
+    one figure: a run whose steps change cost (MeanFlow's consistency curriculum) is charged for each kind."""
+    windows = [r for r in records if "step_ms" in r]
+    evals = sorted(r["step"] for r in records if any(k.startswith(("fid_steps", "label_acc_steps")) for k in r))
+    if len(windows) < 2:
+        raise ValueError(f"{len(windows)} logged windows: a run's time needs two (the first holds its compilation)")
+    starts = [0] + [w["step"] for w in windows[:-1]]
+    # an evaluation at step k runs after step k, inside the window (a, b] with a <= k < b
+    held = [i == 0 or any(a <= k < w["step"] for k in evals) for i, (a, w) in enumerate(zip(starts, windows))]
+    steady = [w["step_ms"] for w, h in zip(windows, held) if not h] or [w["step_ms"] for w in windows[1:]]
+    median = statistics.median(steady)
+    total, out = 0.0, []
+    for a, w, h in zip(starts, windows, held):
+        total += (w["step"] - a) * (median if h else w["step_ms"]) / 1000
+        out.append((w["step"], total))
+    return out
 
 
 def _step_of(line: str) -> float:

@@ -518,6 +518,40 @@ def test_fid_curve_tables_each_run_and_sampler_and_refuses_a_run_without_evaluat
         fid_curve.main([str(tmp_path / "missing")])
 
 
+def test_training_seconds_charge_compilation_and_evaluation_windows_at_the_median():
+    """The first window (compilation) and a window that holds an in-loop evaluation (its step_ms counts the sampling)
+    are charged at the median of the other windows; the rest at their own ms/step."""
+    from flm.log import training_seconds
+
+    windows = [(100, 900.0), (200, 50.0), (300, 70.0), (400, 400.0), (500, 60.0)]
+    records = [{"step": k, "step_ms": m} for k, m in windows] + [{"step": 350, "fid_steps1": 9.0}]
+    median = 60.0  # of 50, 70, 60: the windows (100, 200], (200, 300], (400, 500]
+    expected = [100 * median, 100 * 50.0, 100 * 70.0, 100 * median, 100 * 60.0]
+    got = training_seconds(records)
+    assert [k for k, _ in got] == [100, 200, 300, 400, 500]
+    assert [sec for _, sec in got] == pytest.approx([sum(expected[: i + 1]) / 1000 for i in range(5)])
+    # an evaluation at a logged step runs after it: in the next window
+    records[-1] = {"step": 300, "fid_steps1": 9.0}
+    assert training_seconds(records)[-1][1] == pytest.approx((100 * 60 + 100 * 50 + 100 * 70 + 100 * 60 + 100 * 60) / 1000)
+    with pytest.raises(ValueError, match="needs two"):
+        training_seconds(records[:1])
+
+
+def test_fid_curve_puts_each_point_at_its_runs_seconds_of_training(tmp_path):
+    """--x gpu_s: a run of slow steps and one of fast steps, compared at equal time; linear within a window."""
+    fid_curve = load("fid_curve")
+    for run, ms in {"slow": 80.0, "fast": 20.0}.items():
+        (tmp_path / run).mkdir()
+        rows = [{"step": s, "step_ms": ms} for s in (100, 200, 300, 400)] + [{"step": 150, "fid_steps1": ms / 10}]
+        (tmp_path / run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    at = fid_curve.seconds_at(str(tmp_path / "slow"))
+    assert at(150) == pytest.approx(12.0) and at(400) == pytest.approx(32.0)  # every window at 80 ms
+    assert fid_curve.main([str(tmp_path / "slow"), str(tmp_path / "fast"), "--x", "gpu_s", "--out", str(tmp_path / "o")]) == 0
+    report = (tmp_path / "o" / "fid_curve.md").read_text().splitlines()
+    assert report[-2:] == ["| 3 | fast 1 step | 150 | 2 |", "| 12 | slow 1 step | 150 | 8 |"]
+    assert "--x gpu_s" in report[0]
+
+
 def test_parallel_runs_need_step_counts_and_no_teacher_of_the_same_call():
     quality = load("quality")
     fixed = ["fm:flow_matching:3500", "mf:meanflow:2710:objective.alpha_steps=[0,1355]"]
