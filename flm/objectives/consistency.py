@@ -267,12 +267,15 @@ class SCM(Curricular, nn.Module):
         keep = bcast((y == null) | ~in_interval(t, self.cfg_interval), v)
         return torch.where(keep, dx_t, v)
 
-    def consistency_loss(self, model, x_t, t, dx_t, y, step, target=None, hf_weight=None, velocity_target=None, alpha=None):
+    def consistency_loss(
+        self, model, x_t, t, dx_t, y, step, target=None, hf_weight=None, velocity_target=None, alpha=None, boundary=None
+    ):
         """Algorithm 1's loss at (x_t, t) with dx_t/dt = dx_t: the data's (sCT) or a teacher's (sCD). target: F's
         explicit target for the batch's first len(target) samples (sCD's one_step_frac), in place of F- + g.
         hf_weight: squared_error's, a number or one per sample, in place of self.hf_weight. velocity_target: the
         velocity head's flow-matching target (velocity_weight > 0), from the same forward as F. alpha: the consistency
-        curriculum's (g from a step alpha t back, no JVP); None: the JVP's g."""
+        curriculum's (g from a step alpha t back, no JVP); None: the JVP's g. boundary: sCD's (weight, mask, f_target)
+        (flm.objectives.distillation.SCD.boundary): weight x the masked samples' mean ||f - f_target||^2 / D is added."""
         sigma_d = self.sigma_d
         if velocity_target is None:
             fn = lambda x_in, t_in: self.network_output(model, x_in, t_in, y)  # noqa: E731
@@ -303,6 +306,13 @@ class SCM(Curricular, nn.Module):
             velocity_mse = (sigma_d * V.float() - velocity_target).square().mean()
             loss = loss + self.velocity_weight * velocity_mse
             metrics["velocity_mse"] = velocity_mse.detach()
+        if boundary is not None:
+            weight, mask, f_target = boundary
+            f = bcast(torch.cos(t), x_t) * x_t.float() - bcast(torch.sin(t), x_t) * sigma_d * F.float()
+            per_sample = (f - f_target).square().flatten(1).mean(dim=1)
+            boundary_mse = (mask * per_sample).sum() / mask.sum().clamp_min(1)
+            loss = loss + weight * boundary_mse
+            metrics["boundary_mse"] = boundary_mse.detach()
         mse = err.detach().square().mean()
         if alpha is not None:
             metrics["alpha"] = alpha_metric(alpha, x_t.device)

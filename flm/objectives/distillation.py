@@ -51,7 +51,7 @@ from flm.objectives.consistency import SCM
 from flm.objectives.dmd import DMDRegularised
 from flm.objectives.frequency import first_k_hf_weight
 from flm.objectives.guidance import drop_labels, guided
-from flm.objectives.paths import lognormal_trigflow
+from flm.objectives.paths import bcast, lognormal_trigflow
 from flm.objectives.protocol import Network
 from flm.objectives.teacher import flow_time, load_teacher, teacher_velocity, trigflow_velocity
 
@@ -79,6 +79,13 @@ class SCD(SCM):
         hf_weight_one_step: hf_weight (flm.objectives.frequency) for the one_step_frac samples alone; None: hf_weight.
         one_step_solver: the teacher's ODE solver for that target: "euler" (teacher_steps - 1 teacher forwards) or
             "heun" (second order, 2 teacher_steps - 1 forwards).
+        boundary_weight: x the mean over the samples at flow-matching time below boundary_time of ||f(x_t, t) -
+            f_teacher(x_t, t)||^2 / D, added to the loss: the student's consistency function regressed on the teacher's
+            x-prediction where the two coincide (at s -> 0 both are x_s). It gives a data-predicting student
+            (model.prediction=data, which needs it and adaptive_weighting=False) the boundary condition f(x, 0) = x that
+            a velocity student has by construction. With the adaptive weighting on, the student's x^ drifted from the
+            teacher's at any weight tried (up to 100): the learned weight scales sCM's loss up where it is small. 0: off.
+        boundary_time: that flow-matching time s.
         **kwargs: SCM's (sigma_d, p_mean, p_std, tangent_c, warmup_steps, ...); logvar_loss defaults to "sum" here
             (its CPU student landed 21-38 % closer to the teacher's solution than with the paper's "mean",
             docs/quality.md, thirtieth day).
@@ -86,7 +93,9 @@ class SCD(SCM):
 
     # a data-predicting student's consistency function x_s - s v is its output x^ at every t, so nothing ties f(x, 0) to x:
     # the loss (df/dt = 0 alone) let x^ drift (|x^| 4 -> 54 in 400 CPU steps; H200 1-step FID 368, docs/quality.md,
-    # fifteenth day). A velocity student has f -> x_s as s -> 0 by construction: sCD and rCM distil velocity teachers.
+    # fifteenth day). A velocity student has f -> x_s as s -> 0 by construction; a data-predicting one takes the
+    # boundary condition back from boundary_weight's regression, without the adaptive weighting, which outruns it (the
+    # instance's predictions then include "data"; docs/quality.md, thirty-sixth day).
     predictions = ("velocity",)
 
     def __init__(
@@ -100,6 +109,8 @@ class SCD(SCM):
         one_step_ema: float | None = None,
         hf_weight_one_step: float | None = None,
         one_step_solver: str = "euler",
+        boundary_weight: float = 0.0,
+        boundary_time: float = 0.05,
         **kwargs,
     ):
         if kwargs.get("alpha_steps") is not None:
@@ -128,6 +139,13 @@ class SCD(SCM):
         if one_step_solver not in ("euler", "heun"):
             raise ValueError(f"one_step_solver must be 'euler' or 'heun', got {one_step_solver!r}")
         self.one_step_solver = one_step_solver
+        if not (isinstance(boundary_weight, (int, float)) and boundary_weight >= 0):
+            raise ValueError(f"boundary_weight must be a number >= 0 (0: off), got {boundary_weight!r}")
+        if not (isinstance(boundary_time, (int, float)) and 0 < boundary_time < 1):
+            raise ValueError(f"boundary_time must be a flow-matching time in (0, 1), got {boundary_time!r}")
+        self.boundary_weight, self.boundary_time = float(boundary_weight), float(boundary_time)
+        if self.boundary_weight and self.logvar is None:
+            self.predictions = ("velocity", "data")
         if self.cfg_omega != 1.0 or self.velocity_weight:
             raise ValueError(
                 "a teacher's guidance (objective.teacher_cfg_scale) replaces guidance in training and its velocity "
@@ -169,7 +187,19 @@ class SCD(SCM):
             target_net = ema
         target = self.one_step_target(target_net, teacher, x_t[:k], dx_t[:k], None if y is None else y[:k]) if k else None
         hf_weight = first_k_hf_weight(len(t), k, self.hf_weight, self.hf_weight_one_step, x.device)
-        return self.consistency_loss(model, x_t, t, dx_t, y, step, target=target, hf_weight=hf_weight)
+        return self.consistency_loss(
+            model, x_t, t, dx_t, y, step, target=target, hf_weight=hf_weight, boundary=self.boundary(x_t, t, dx_t)
+        )
+
+    def boundary(self, x_t, t, dx_t):
+        """(weight, mask, f_teacher) of boundary_weight's regression: the samples below boundary_time (a float mask:
+        no host sync) and the teacher's consistency function there, cos t x_t - sin t dx_t/dt (its x-prediction);
+        None when off."""
+        if not self.boundary_weight:
+            return None
+        mask = (flow_time(t, self.sigma_d) < self.boundary_time).float()
+        cos_t, sin_t = bcast(torch.cos(t), x_t), bcast(torch.sin(t), x_t)
+        return self.boundary_weight, mask, cos_t * x_t.float() - sin_t * dx_t.float()
 
     def one_step_flow_times(self) -> torch.Tensor:
         """The flow-matching times s(t_max), ..., s(one_step_mid) of the teacher's ODE steps, uniform (float64)."""

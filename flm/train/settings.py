@@ -115,11 +115,17 @@ def takes_jvp(objective) -> bool:
 def check_prediction(objective, prediction: str) -> None:
     """An objective takes the model outputs it lists (`predictions`); a distilled sCD/rCM student refuses the data one."""
     if prediction not in objective.predictions:
+        restores = hasattr(objective, "boundary_weight")  # sCD and rCM: the regression that restores f(x, 0) = x
         raise ValueError(
             f"model.prediction={prediction} does not fit objective {type(objective).__name__}, whose model predicts "
             f"{' or '.join(objective.predictions)} (docs/quality.md: a "
             f"data-predicting sCD/rCM student has no boundary condition f(x, 0) = x and drifts); pass "
             f"model.prediction=velocity (a distilled student: and a velocity teacher)"
+            + (
+                ", or objective.boundary_weight > 0 with objective.adaptive_weighting=false (sCD's regression that restores it)"
+                if restores
+                else ""
+            )
         )
 
 

@@ -306,6 +306,41 @@ def test_bad_one_step_options_are_refused(kwargs, message):
         SCD(teacher="t", **kwargs)
 
 
+def test_the_boundary_term_regresses_f_on_the_teachers_x_prediction_below_boundary_time():
+    """boundary_mse: the mean over the samples below boundary_time (flow-matching time) of ||f - f_teacher||^2 / D,
+    f_teacher = cos t x_t - sin t dx_t/dt, the teacher's x-prediction; zero for a student equal to its teacher."""
+    scd = SCD(teacher="unused", boundary_weight=2.0, boundary_time=0.3, warmup_steps=0)
+    student, teacher = tiny_dit(seed=1), tiny_dit(seed=2)
+    x_t, y = torch.randn(4, 3, 8, 8), torch.tensor([0, 1, 2, 3])
+    t = torch.tensor([0.05, 0.2, 0.9, 1.3])  # flow times 0.024, 0.092, 0.49, 0.89 at sigma_d 0.5: the first two inside
+    assert (flow_time(t, scd.sigma_d) < 0.3).tolist() == [True, True, False, False]
+    dx_t = scd.teacher_dxdt(teacher, x_t, t, y)
+    base, _ = scd.consistency_loss(student, x_t, t, dx_t, y, step=5)
+    loss, metrics = scd.consistency_loss(student, x_t, t, dx_t, y, step=5, boundary=scd.boundary(x_t, t, dx_t))
+    with torch.no_grad():
+        f = torch.stack([scd.consistency_fn(student, x_t[i : i + 1], t[i].item(), y[i : i + 1])[0] for i in range(4)])
+        x_pred = torch.stack([scd.consistency_fn(teacher, x_t[i : i + 1], t[i].item(), y[i : i + 1])[0] for i in range(4)])
+    expected = (f - x_pred)[:2].square().mean()
+    torch.testing.assert_close(metrics["boundary_mse"], expected, rtol=1e-4, atol=1e-7)
+    torch.testing.assert_close(loss, base + 2.0 * expected, rtol=1e-4, atol=1e-7)
+    _, same = scd.consistency_loss(teacher, x_t, t, dx_t, y, step=5, boundary=scd.boundary(x_t, t, dx_t))
+    assert same["boundary_mse"] < 1e-10
+    assert SCD(teacher="unused").boundary(x_t, t, dx_t) is None  # off by default
+
+
+def test_a_data_predicting_student_needs_the_boundary_term():
+    from flm.train.settings import check_prediction
+
+    with pytest.raises(ValueError, match="objective.boundary_weight > 0 with objective.adaptive_weighting=false"):
+        check_prediction(SCD(teacher="t"), "data")
+    assert "data" in SCD(teacher="t", boundary_weight=1.0, adaptive_weighting=False).predictions
+    assert "data" not in SCD(teacher="t", boundary_weight=1.0).predictions and "data" not in SCD.predictions
+    with pytest.raises(ValueError, match="boundary_weight must be a number >= 0"):
+        SCD(teacher="t", boundary_weight=-1.0)
+    with pytest.raises(ValueError, match="boundary_time must be a flow-matching time in"):
+        SCD(teacher="t", boundary_time=0.0)
+
+
 def test_a_given_phase_is_the_only_one_asked_for(monkeypatch):
     """Under CUDA graphs the loop passes each step's phase and the step as a device tensor, whose phase(step) would read
     it on the host (a sync a capture refuses): MeanFlow + DMD's student step must not ask its phase again, through

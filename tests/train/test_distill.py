@@ -183,6 +183,20 @@ def test_a_teacher_of_another_prediction_is_named(tmp_path, teacher):
     assert not run_dir.exists()
 
 
+def test_a_data_predicting_scd_student_trains_with_the_boundary_regression_alone(tmp_path, teacher, train_run):
+    """From an image-predicting teacher: refused (one line naming both options) unless boundary_weight > 0 and the
+    adaptive weighting is off; with them it trains and logs the regression's mse."""
+    run_dir = tmp_path / "refused"
+    data = [*objective_of("scd", teacher, ["model.prediction=data"]), "model.prediction=data", "objective.boundary_weight=10"]
+    rc, _, err = run_script("train", *TINY, *data, f"run_dir={run_dir}")
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert rc != 0 and len(lines) == 1 and "objective.adaptive_weighting=false" in lines[0], err
+    assert not run_dir.exists()
+    train_run(tmp_path / "student", [*data, "objective.adaptive_weighting=false", "objective.boundary_time=0.9"])
+    rows = [json.loads(line) for line in (tmp_path / "student" / "metrics.jsonl").read_text().splitlines()]
+    assert any("boundary_mse" in r and r["boundary_mse"] == r["boundary_mse"] for r in rows)  # logged, not NaN
+
+
 @pytest.mark.parametrize("name", ["scd", "rcm", "meanflow_distill"])
 def test_a_distillation_without_a_teacher_is_one_error_line(tmp_path, name):
     run_dir = tmp_path / "student"
