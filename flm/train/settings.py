@@ -113,7 +113,8 @@ def takes_jvp(objective) -> bool:
 
 
 def check_prediction(objective, prediction: str) -> None:
-    """An objective takes the model outputs it lists (`predictions`); a distilled sCD/rCM student refuses the data one."""
+    """An objective takes the model outputs it lists (`predictions`); a distilled sCD/rCM student takes the data one only with
+    its boundary regression (objective.boundary_weight, adaptive_weighting off)."""
     if prediction not in objective.predictions:
         restores = hasattr(objective, "boundary_weight")  # sCD and rCM: the regression that restores f(x, 0) = x
         raise ValueError(
