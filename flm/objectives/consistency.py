@@ -116,6 +116,12 @@ class LogVar(nn.Module):
         return torch.exp(-logvar) * (sq * numel if self.summed else sq) + logvar
 
 
+def consistency_value(x_t: torch.Tensor, t: torch.Tensor, sigma_F: torch.Tensor) -> torch.Tensor:
+    """f(x_t, t) = cos(t) x_t - sin(t) sigma_d F in fp32, from sigma_F = sigma_d F (a model's, or a teacher's dx_t/dt:
+    its x-prediction); t (B,)."""
+    return bcast(torch.cos(t), x_t) * x_t.float() - bcast(torch.sin(t), x_t) * sigma_F.float()
+
+
 class SCM(Curricular, nn.Module):
     """sCT loss on TrigFlow and its 1- or few-step sampler.
 
@@ -308,8 +314,7 @@ class SCM(Curricular, nn.Module):
             metrics["velocity_mse"] = velocity_mse.detach()
         if boundary is not None:
             weight, mask, f_target = boundary
-            f = bcast(torch.cos(t), x_t) * x_t.float() - bcast(torch.sin(t), x_t) * sigma_d * F.float()
-            per_sample = (f - f_target).square().flatten(1).mean(dim=1)
+            per_sample = (consistency_value(x_t, t, sigma_d * F) - f_target).square().flatten(1).mean(dim=1)
             boundary_mse = (mask * per_sample).sum() / mask.sum().clamp_min(1)
             loss = loss + weight * boundary_mse
             metrics["boundary_mse"] = boundary_mse.detach()
@@ -341,7 +346,7 @@ class SCM(Curricular, nn.Module):
         cos_t, sin_t = bcast(torch.cos(t), v), bcast(torch.sin(t), v)
         s = (1 - alpha) * t
         cos_s, sin_s = bcast(torch.cos(s), v), bcast(torch.sin(s), v)
-        x_s = cos_s * (cos_t * x_t32 - sin_t * v) + sin_s * (sin_t * x_t32 + cos_t * v)
+        x_s = cos_s * consistency_value(x_t32, t, v) + sin_s * (sin_t * x_t32 + cos_t * v)
         F_s = self.network_output(model, (x_s / self.sigma_d).to(x_t.dtype), s, y).float()
         # at s = 0 (alpha = 1) the boundary condition f(x, 0) = x, whatever F does there (a 1 / sin s of its own)
         f_s = torch.where(bcast(s > 0, v), cos_s * x_s - sin_s * self.sigma_d * F_s, x_s)

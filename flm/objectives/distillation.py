@@ -47,11 +47,11 @@ import math
 import torch
 
 from flm.objectives.checks import check_hf_weight_one_step, check_probability, check_target_ema, check_teacher_steps
-from flm.objectives.consistency import SCM
+from flm.objectives.consistency import SCM, consistency_value
 from flm.objectives.dmd import DMDRegularised
 from flm.objectives.frequency import first_k_hf_weight
 from flm.objectives.guidance import drop_labels, guided
-from flm.objectives.paths import bcast, lognormal_trigflow
+from flm.objectives.paths import lognormal_trigflow
 from flm.objectives.protocol import Network
 from flm.objectives.teacher import flow_time, load_teacher, teacher_velocity, trigflow_velocity
 
@@ -198,8 +198,7 @@ class SCD(SCM):
         if not self.boundary_weight:
             return None
         mask = (flow_time(t, self.sigma_d) < self.boundary_time).float()
-        cos_t, sin_t = bcast(torch.cos(t), x_t), bcast(torch.sin(t), x_t)
-        return self.boundary_weight, mask, cos_t * x_t.float() - sin_t * dx_t.float()
+        return self.boundary_weight, mask, consistency_value(x_t, t, dx_t)
 
     def one_step_flow_times(self) -> torch.Tensor:
         """The flow-matching times s(t_max), ..., s(one_step_mid) of the teacher's ODE steps, uniform (float64)."""
