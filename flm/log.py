@@ -90,7 +90,8 @@ def read_metrics(run_dir: str) -> list[dict]:
 def training_seconds(records: list[dict]) -> list[tuple[int, float]]:
     """(step, seconds of training up to it) at each logged window's end, from a run's metrics records: each window's
     steps x its ms/step, except the first (compilation, CUDA-graph capture) and any window that holds an in-loop
-    evaluation (its step_ms counts the sampling too), which are charged at the median of the others. A sum, not steps x
+    evaluation (in runs logged before the loop paused its meter around evaluations, grids and checkpoints, that
+    window's step_ms counts the sampling too), which are charged at the median of the others. A sum, not steps x
     one figure: a run whose steps change cost (MeanFlow's consistency curriculum) is charged for each kind."""
     windows = [r for r in records if "step_ms" in r]
     evals = sorted(r["step"] for r in records if any(k.startswith(("fid_steps", "label_acc_steps")) for k in r))

@@ -208,8 +208,11 @@ class InTraining:
                 decoder=decoder,
             )
 
+    def due(self, step: int) -> bool:
+        return self.evaluator is not None and (step == self.last or step % self.every == 0)
+
     def __call__(self, step: int, model, objective, run_log) -> None:
-        if self.evaluator is None or not (step == self.last or step % self.every == 0):
+        if not self.due(step):
             return
         results = self.evaluator(model, objective)  # every rank samples; rank 0 gets the numbers
         if results:

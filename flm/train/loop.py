@@ -30,6 +30,7 @@ sample grids and the sync check are collectives that every rank enters (rank 0 a
 and a checkpoint holds whole tensors, so it resumes under DDP, FSDP2 or one process alike.
 """
 
+import contextlib
 import dataclasses
 import os
 import time
@@ -166,7 +167,8 @@ def accumulate(
 
 
 class Meter:
-    """Throughput since the last log, and the time since the run (re)started."""
+    """Throughput since the last log, and the time since the run (re)started. The grids, evaluations and
+    checkpoints between steps are left out of the window (`paused`), so step_ms is the steps' own time."""
 
     def __init__(self, step: int):
         self.t_start = self.t_window = time.perf_counter()
@@ -194,6 +196,16 @@ class Meter:
             metrics["gpu_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
         self.t_window, self.steps = time.perf_counter(), 0
         return metrics
+
+    @contextlib.contextmanager
+    def paused(self, device):
+        if device.type == "cuda":  # the queued step's work belongs to the window
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.t_window += time.perf_counter() - t0
 
     def progress(self, step: int, max_steps: int, metrics: dict) -> str:
         elapsed = time.perf_counter() - self.t_start
@@ -424,11 +436,14 @@ def train(
                 metrics = meter.metrics(state, trainer, device, objective_metrics, grad_norms)
                 dist.info0(meter.progress(state.step, trainer.max_steps, metrics))
                 run_log.log(state.step, metrics)
-            if state.step == trainer.max_steps or (trainer.sample_every and state.step % trainer.sample_every == 0):
-                sample_grid(state, trainer, run_dir, run_log, **grid)
-            in_loop_eval(state.step, state.sampled, objective, run_log)
-            if saves:
-                state.save(run_dir, trainer.keep_last)
+            grids = state.step == trainer.max_steps or (trainer.sample_every and state.step % trainer.sample_every == 0)
+            if grids or saves or in_loop_eval.due(state.step):
+                with meter.paused(device):
+                    if grids:
+                        sample_grid(state, trainer, run_dir, run_log, **grid)
+                    in_loop_eval(state.step, state.sampled, objective, run_log)
+                    if saves:
+                        state.save(run_dir, trainer.keep_last)
     finally:
         run_log.close()
         unlock_folder(run_dir)

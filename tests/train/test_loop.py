@@ -314,3 +314,22 @@ def test_an_scm_run_without_adaptive_weighting_has_no_objective_state(tmp_path, 
     assert whole["objective"] == {}
     for key in ("model", "ema", "optimizer"):
         assert_same_state(whole[key], split[key], key)
+
+
+def test_step_ms_leaves_out_grids_and_checkpoints(tmp_path, train_run, monkeypatch):
+    """A window's step_ms is the steps' own time: a slow grid (at step 2, the end of the first window) and slow
+    checkpoint writes (every step) fall outside every window."""
+    import time
+
+    from flm.train import loop, state
+
+    def slow(real):
+        return lambda *a, **k: (time.sleep(0.5), real(*a, **k))[1]
+
+    monkeypatch.setattr(loop, "sample_grid", slow(loop.sample_grid))
+    monkeypatch.setattr(state.TrainState, "save", slow(state.TrainState.save))
+    train_run(tmp_path, ["trainer.sample_every=2", "trainer.ckpt_every=1", "trainer.keep_last=1"])
+    windows = read_metrics(tmp_path)
+    assert [m["step"] for m in windows] == [2, 4]
+    # a DiT-T/4 step takes ~10 ms here; each window ran through 2-3 of the half-second pauses
+    assert all(m["step_ms"] < 250 for m in windows), [m["step_ms"] for m in windows]
