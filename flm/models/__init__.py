@@ -31,6 +31,7 @@ def build_model(
     velocity_head: bool = False,
     cond_norm: bool = False,
     bounded: bool = False,
+    decoder_depth: int = 0,
 ) -> DiT:
     """A DiT of size `name` (a key of MODEL_SIZES, e.g. "DiT-B/2").
 
@@ -41,7 +42,9 @@ def build_model(
     prediction: "velocity", or "data" (the network predicts the clean image, forward returns the linear path's velocity;
     flm.models.dit); velocity_head: a second output, the flow's velocity, beside a consistency model's (sCM's
     objective.velocity_weight asks for it); cond_norm: the conditioning embedding RMS-normalised before the adaLN layers;
-    bounded: the clean-image prediction squashed into the data range [-1, 1] by tanh (prediction="data" only).
+    bounded: the clean-image prediction squashed into the data range [-1, 1] by tanh (prediction="data" only);
+    decoder_depth: with time_inputs=2, the last blocks (and the output layer) conditioned on r in place of t and no
+    interval embedding (Decoupled MeanFlow; flm.models.dit).
     """
     check_name(name)
     depth, hidden, heads, patch = MODEL_SIZES[name]
@@ -60,6 +63,7 @@ def build_model(
         velocity_head=velocity_head,
         cond_norm=cond_norm,
         bounded=bounded,
+        decoder_depth=decoder_depth,
     )
 
 
@@ -86,6 +90,7 @@ class ModelConfig:
     prediction: str = "auto"  # velocity | data (the clean image; linear-path objectives) | auto (resolve_prediction)
     cond_norm: bool = False  # RMS-normalise the conditioning embedding before the adaLN layers (sCM's stabiliser)
     bounded: bool = False  # the clean-image prediction through tanh, inside the pixels' range [-1, 1] (prediction=data)
+    decoder_depth: int = 0  # MeanFlow: the last blocks see r in place of t (Decoupled MeanFlow); 0: the (t, t - r) embedding
 
     def __post_init__(self):
         check_fields(self, "model")
@@ -94,6 +99,11 @@ class ModelConfig:
             check_prediction(self.prediction)
         if self.attention != "auto":
             get_attention(self.attention)  # an unknown name lists the valid ones
+        depth = MODEL_SIZES[self.name][0]
+        if not 0 <= self.decoder_depth <= depth:
+            raise ValueError(
+                f"model.decoder_depth must be in [0, {depth}] ({self.name} has {depth} blocks), got {self.decoder_depth}"
+            )
 
     def resolve_prediction(self, predictions: tuple[str, ...], saved: str | None = None) -> "ModelConfig":
         """This config with prediction=auto made concrete: `saved` (what a resumed run or a distilled student's
@@ -112,6 +122,11 @@ class ModelConfig:
             raise ValueError(
                 f"model.bounded=true squashes the clean-image prediction into [-1, 1], and this run's model predicts "
                 f"{self.prediction!r}; add model.prediction=data or drop model.bounded"
+            )
+        if self.decoder_depth and time_inputs != 2:
+            raise ValueError(
+                f"model.decoder_depth={self.decoder_depth} conditions the last blocks on r, and this objective's network "
+                f"takes t alone; set model.decoder_depth=0 (it applies to MeanFlow)"
             )
         return dict(
             dataclasses.asdict(self),

@@ -4,7 +4,10 @@ Patchify, 2-D sin-cos position embedding, adaLN-Zero blocks, a final adaLN layer
 outputs, as in facebookresearch/DiT, with:
 - any image size and channel count (pixels or VAE latents), output shaped like the input;
 - class conditioning with a null class (index `num_classes`) for classifier-free guidance;
-- a time embedding of t, or of (t, t - r) for MeanFlow (`time_inputs=2`, the paper's choice), with
+- a time embedding of t, or of (t, t - r) for MeanFlow (`time_inputs=2`, the paper's choice), or with
+  `decoder_depth` k > 0 a decoupled one (Decoupled MeanFlow): the first blocks see t, the last k blocks and the output
+  layer see r through the same embedder, so the network at r = t is a flow-matching network of the same weights and a
+  flow-map student can start as its teacher with nothing new to learn at r = t; all with
   sinusoids of `time_scale * t`: 1 by default, t in the objective's own units (SiT's choice; sCM's
   c_noise(t) = t, arXiv 2410.11081 section 4.1). DiT's 1000 t multiplies d/dt of every time feature by
   1000, and the JVP objectives put d/dt into their targets: MeanFlow's (t - r) du/dt then swings by
@@ -213,6 +216,7 @@ class DiT(nn.Module):
         velocity_head: bool = False,
         cond_norm: bool = False,
         bounded: bool = False,
+        decoder_depth: int = 0,
     ):
         super().__init__()
         if input_size % patch_size:
@@ -222,6 +226,13 @@ class DiT(nn.Module):
             )
         if time_inputs not in (1, 2):
             raise ValueError(f"time_inputs must be 1 (t) or 2 (t, r for MeanFlow), got {time_inputs!r}")
+        if isinstance(decoder_depth, bool) or not isinstance(decoder_depth, int) or not 0 <= decoder_depth <= depth:
+            raise ValueError(f"decoder_depth must be an integer in [0, {depth}] (the blocks that see r), got {decoder_depth!r}")
+        if decoder_depth and time_inputs != 2:
+            raise ValueError(
+                f"decoder_depth={decoder_depth} conditions the last blocks on r, and this model takes t alone "
+                f"(time_inputs=1: flow matching, sCM); set decoder_depth=0 or use a two-time objective (MeanFlow)"
+            )
         if not time_scale > 0:
             raise ValueError(f"time_scale must be > 0 (1: t as the objective gives it), got {time_scale!r}")
         if num_classes < 0:
@@ -240,13 +251,14 @@ class DiT(nn.Module):
         self.prediction, self.velocity_head, self.cond_norm = prediction, bool(velocity_head), bool(cond_norm)
         self.bounded = bool(bounded)
         self.input_size, self.in_channels, self.patch_size = input_size, in_channels, patch_size
-        self.num_classes, self.time_inputs = num_classes, time_inputs
+        self.num_classes, self.time_inputs, self.decoder_depth = num_classes, time_inputs, decoder_depth
         self.grid = input_size // patch_size
 
         self.x_embedder = fnn.Linear(in_channels * patch_size**2, hidden_size)  # patchify as a linear
         self.register_buffer("pos_embed", sincos_pos_embed_2d(hidden_size, self.grid)[None], persistent=False)
         self.t_embedder = TimestepEmbedder(hidden_size, time_scale=time_scale)
-        self.dt_embedder = TimestepEmbedder(hidden_size, time_scale=time_scale) if time_inputs == 2 else None
+        interval = time_inputs == 2 and not decoder_depth  # the (t, t - r) embedding; the decoupled one reuses t's
+        self.dt_embedder = TimestepEmbedder(hidden_size, time_scale=time_scale) if interval else None
         self.y_embedder = nn.Embedding(num_classes + 1, hidden_size) if num_classes > 0 else None
         self.blocks = nn.ModuleList(DiTBlock(hidden_size, num_heads, mlp_ratio, attention) for _ in range(depth))
         self.final_layer = FinalLayer(hidden_size, patch_size, in_channels)
@@ -290,15 +302,17 @@ class DiT(nn.Module):
             raise ValueError(
                 f"feature blocks must be indices in [0, {len(self.blocks)}) of this model's blocks, got {list(features)}"
             )
-        h, c_act = self._embed(x, t, r, y)
+        h, c_act, c_out = self._embed(x, t, r, y)
+        first = len(self.blocks) - self.decoder_depth  # the blocks from here on (the decoder) see r's conditioning
         if features is not None:
             hidden = []
-            for block in self.blocks[: max(features) + 1]:
-                h = block(h, c_act)
+            for i, block in enumerate(self.blocks[: max(features) + 1]):
+                h = block(h, c_act if i < first else c_out)
                 hidden.append(h)
             return [hidden[i] for i in features]
-        for block in self.blocks:
-            h = block(h, c_act)
+        for i, block in enumerate(self.blocks):
+            h = block(h, c_act if i < first else c_out)
+        c_act = c_out
         if head != "output":
             velocity = self._unpatchify(self.velocity_layer(h, c_act), x.shape).to(x.dtype)
             if head == "velocity":
@@ -319,7 +333,8 @@ class DiT(nn.Module):
         return out.reshape(B, gh, gw, p, p, C).permute(0, 5, 1, 3, 2, 4).reshape(B, C, H, W)
 
     def _embed(self, x, t, r, y):
-        """The patch tokens (B, N, D) with their positions, and SiLU of the conditioning (B, D)."""
+        """The patch tokens (B, N, D) with their positions, SiLU of the conditioning (B, D), and that of the decoder's
+        blocks and output layer (the same tensor unless decoder_depth: there of r in place of t)."""
         B, C, H, W = x.shape
         self._check_inputs(x, r, y)
         p, gh, gw = self.patch_size, H // self.patch_size, W // self.patch_size
@@ -329,17 +344,26 @@ class DiT(nn.Module):
         h = h + fnn.joins(self.pos_embed, h)  # (B, N, D)
 
         t = t.expand(B) if t.dim() == 0 else t
+        r = None if r is None else fnn.joins(r.expand(B) if r.dim() == 0 else r, t)
         c = self.t_embedder(t)  # (B, D)
         if self.dt_embedder is not None:
-            c = c + self.dt_embedder(t - fnn.joins(r.expand(B) if r.dim() == 0 else r, t))
+            c = c + self.dt_embedder(t - r)
+        labels = None
         if self.y_embedder is not None:
             if y is None:
                 y = torch.full((B,), self.num_classes, dtype=torch.long, device=x.device)
-            c = c + fnn.joins(self.y_embedder(y), c)
+            labels = self.y_embedder(y)
+        c_act = self._activate(c, labels)
+        return h, c_act, self._activate(self.t_embedder(r), labels) if self.decoder_depth else c_act
+
+    def _activate(self, c, labels):
+        """SiLU of a time embedding plus the labels' (B, D), after the optional RMS norm."""
+        if labels is not None:
+            c = c + fnn.joins(labels, c)
         if self.cond_norm:  # pixel norm: c / rms(c), in float32 (plain ops: dual tensors and torch.func pass through)
             c32 = c.float()
             c = (c32 * torch.rsqrt(c32.square().mean(-1, keepdim=True) + 1e-8)).to(c.dtype)
-        return h, fnn.silu(c)
+        return fnn.silu(c)
 
     def _check_inputs(self, x, r, y) -> None:
         expected = (self.in_channels, self.input_size, self.input_size)

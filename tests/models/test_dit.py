@@ -102,6 +102,20 @@ def test_a_bounded_data_prediction_is_tanh_of_the_output_with_its_jvp():
     torch.testing.assert_close(tangent, expected, rtol=1e-4, atol=1e-5)
 
 
+def test_decoder_depth_config_is_checked():
+    with pytest.raises(ValueError, match=r"model.decoder_depth must be in \[0, 2\] \(DiT-T/4 has 2 blocks\), got 5"):
+        ModelConfig(name="DiT-T/4", decoder_depth=5)
+    with pytest.raises(ValueError, match="model.decoder_depth=1 conditions the last blocks on r"):
+        ModelConfig(name="DiT-T/4", decoder_depth=1, prediction="velocity").args(
+            input_size=8, in_channels=3, num_classes=0, time_inputs=1
+        )
+    args = ModelConfig(name="DiT-T/4", decoder_depth=1, prediction="velocity").args(
+        input_size=8, in_channels=3, num_classes=0, time_inputs=2
+    )
+    model = build_model(args.pop("name"), **args)
+    assert model.decoder_depth == 1 and model.dt_embedder is None
+
+
 def test_bounded_needs_the_data_prediction():
     with pytest.raises(ValueError, match="bounded=True squashes the clean-image prediction .* prediction='data'"):
         build_model("DiT-T/2", input_size=8, in_channels=3, bounded=True)
@@ -128,6 +142,8 @@ def test_bounded_needs_the_data_prediction():
         (dict(), dict(x=torch.randn(2, 3, 16, 16)), r"expected \(B, 3, 8, 8\)"),
         (dict(), dict(r=torch.zeros(2)), "drop r or build it with time_inputs=2"),
         (dict(time_inputs=2), dict(), "pass r"),
+        (dict(decoder_depth=1), None, "decoder_depth=1 conditions the last blocks on r, and this model takes t alone"),
+        (dict(time_inputs=2, decoder_depth=3), None, r"decoder_depth must be an integer in \[0, 2\]"),
     ],
 )
 def test_bad_input(build, call, match):
@@ -174,9 +190,9 @@ def _func_jvp(model, x, tx, t, r, y):
     return torch.func.jvp(lambda x_, t_: model(x_, t_, r, y), (x, t), (tx, torch.ones_like(t)))
 
 
-@pytest.mark.parametrize("cond_norm", [False, True])
-def test_dual_jvp_through_triton_matches_func_jvp_over_math(cond_norm):
-    model = tiny_dit(attention="triton_jvp", time_inputs=2, cond_norm=cond_norm)
+@pytest.mark.parametrize("cond_norm,decoder_depth", [(False, 0), (True, 0), (False, 1)])
+def test_dual_jvp_through_triton_matches_func_jvp_over_math(cond_norm, decoder_depth):
+    model = tiny_dit(attention="triton_jvp", time_inputs=2, cond_norm=cond_norm, decoder_depth=decoder_depth)
     reference = with_backend(copy.deepcopy(model), "math")
     x, tx, t, r, y = _inputs()
     with plain_layers():  # reference: plain PyTorch ops and math attention, no custom rule at all

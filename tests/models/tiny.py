@@ -20,6 +20,7 @@ def tiny_dit(
     seed=0,
     velocity_head=False,
     cond_norm=False,
+    decoder_depth=0,
 ):
     model = build_model(
         size,
@@ -30,6 +31,7 @@ def tiny_dit(
         attention=attention,
         velocity_head=velocity_head,
         cond_norm=cond_norm,
+        decoder_depth=decoder_depth,
     )
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():

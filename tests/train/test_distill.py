@@ -131,12 +131,17 @@ def test_a_student_samples_without_its_teachers_file(tmp_path, teacher, train_ru
     assert list((tmp_path / "student" / "samples").glob("ckpt-00000004-ema-steps2-*.png"))
 
 
-def test_a_meanflow_student_starts_as_its_teacher_at_every_r():
-    args = dict(input_size=8, in_channels=1, num_classes=10, attention="math")
+def trained_teacher(args):
     teacher = build_model("DiT-T/4", **args).eval()
     with torch.no_grad():  # a trained teacher: DiT's zero-initialised adaLN and output would hide any difference
         for p in teacher.parameters():
             p.normal_(std=0.1)
+    return teacher
+
+
+def test_a_meanflow_student_starts_as_its_teacher_at_every_r():
+    args = dict(input_size=8, in_channels=1, num_classes=10, attention="math")
+    teacher = trained_teacher(args)
     student = build_model("DiT-T/4", time_inputs=2, **args).eval()
     start_from(student, teacher)
     x, t, y = torch.randn(3, 1, 8, 8), torch.rand(3), torch.tensor([1, 5, 10])
@@ -144,6 +149,23 @@ def test_a_meanflow_student_starts_as_its_teacher_at_every_r():
         v = teacher(x, t, None, y)
         for r in (t, t * 0.5, torch.zeros(3)):
             torch.testing.assert_close(student(x, t, r, y), v)
+
+
+def test_a_decoupled_student_is_its_teacher_at_r_equal_t_and_depends_on_r():
+    """model.decoder_depth: the student has exactly its teacher's weights, no new ones; at r = t it is the teacher,
+    at r != t its last block and output layer see r's embedding."""
+    args = dict(input_size=8, in_channels=1, num_classes=10, attention="math")
+    teacher = trained_teacher(args)
+    student = build_model("DiT-T/4", time_inputs=2, decoder_depth=1, **args).eval()
+    assert student.state_dict().keys() == teacher.state_dict().keys()
+    start_from(student, teacher)
+    x, t, y = torch.randn(3, 1, 8, 8), torch.rand(3), torch.tensor([1, 5, 10])
+    with torch.no_grad():
+        torch.testing.assert_close(student(x, t, t, y), teacher(x, t, None, y))
+        assert (student(x, t, t * 0.5, y) - teacher(x, t, None, y)).abs().max() > 1e-2
+        # the first block sees t alone: its hidden state does not move with r
+        torch.testing.assert_close(student(x, t, t * 0.5, y, features=[0])[0], teacher(x, t, None, y, features=[0])[0])
+        assert not torch.allclose(student(x, t, t * 0.5, y, features=[1])[0], teacher(x, t, None, y, features=[1])[0])
 
 
 def test_a_students_two_step_time_is_a_sampling_option(tmp_path, teacher, train_run):
