@@ -18,8 +18,9 @@ trains that many steps (cheaper when the step cost is known), and the table repo
 samples from each of `--weights` (the run's first EMA, an EMA by decay such as ema0.99, or raw): FID
 against the MNIST test digits, and the digit classifier's label accuracy.
 
-Distillation runs name their teacher's run folder, which an earlier run of the same call trained:
-    --runs fm:flow_matching:3500 scd:scd:51s:objective.teacher=/tmp/flm-quality/fm
+Distillation runs name their teacher's run folder, which an earlier run of the same call trained; `RUNS/` at the
+start of an override's value stands for the `--work` folder:
+    --runs fm:flow_matching:3500 scd:scd:51s:objective.teacher=RUNS/fm
 When the table holds the teacher's run, a student's row also gives its GPU time with the teacher's: the whole
 teacher-then-student pipeline, to set against one objective trained from scratch for the same time.
 
@@ -141,14 +142,21 @@ def seeded(spec: str, seed: int) -> str:
     return ":".join([f"{name}_s{seed}", objective, steps, ",".join([*rest, f"trainer.seed={seed}"])])
 
 
-def parse_spec(spec: str) -> tuple[str, str, str, list[str]]:
-    """NAME:OBJECTIVE:STEPS[:override,...] -> (name, objective, steps, overrides)."""
+def parse_spec(spec: str, work: str) -> tuple[str, str, str, list[str]]:
+    """NAME:OBJECTIVE:STEPS[:override,...] -> (name, objective, steps, overrides), with RUNS/ at the start of an
+    override's value made the run folders' `work` (the docs' commands write objective.teacher=RUNS/fm5)."""
     name, objective, steps, *rest = spec.split(":", 3)
-    return name, objective, steps, split_overrides(rest[0]) if rest else []
+    overrides = split_overrides(rest[0]) if rest else []
+    return name, objective, steps, [expand_runs(o, work) for o in overrides]
+
+
+def expand_runs(override: str, work: str) -> str:
+    key, eq, value = override.partition("=")
+    return f"{key}={os.path.join(work, value[len('RUNS/') :])}" if eq and value.startswith("RUNS/") else override
 
 
 def run_objective(spec: str, args, group: str | None = None) -> dict:
-    name, objective, steps, overrides = parse_spec(spec)
+    name, objective, steps, overrides = parse_spec(spec, args.work)
     run_dir = os.path.join(args.work, name)
     log = os.path.join(args.out, f"{name}.log")
     train = [
@@ -243,7 +251,7 @@ def check_parallel(specs: list[str], parallel: int, work: str) -> None:
         return
     folders = {os.path.normpath(os.path.join(work, spec.split(":", 1)[0])) for spec in specs}
     for spec in specs:
-        name, _, steps, overrides = parse_spec(spec)
+        name, _, steps, overrides = parse_spec(spec, work)
         if steps == "auto" or steps.endswith("s"):
             raise SystemExit(
                 f"error: --parallel {parallel} needs step counts, and run {name} has {steps!r}: a time budget's probe "

@@ -21,6 +21,13 @@ def test_overrides_split_outside_brackets():
         "a=b",
     ]
     assert quality.split_overrides("") == []
+    # RUNS/ at the start of a value is the --work folder, as the docs' commands write a teacher
+    assert quality.parse_spec("s:scd:950:objective.teacher=RUNS/fm5,a=RUNS,b=x/RUNS/y", "/w") == (
+        "s",
+        "scd",
+        "950",
+        ["objective.teacher=/w/fm5", "a=RUNS", "b=x/RUNS/y"],
+    )
 
 
 def test_weights_options():
@@ -564,6 +571,8 @@ def test_parallel_runs_need_step_counts_and_no_teacher_of_the_same_call():
         quality.check_parallel(["fm:flow_matching:auto"], 2, "/w")
     with pytest.raises(SystemExit, match="run s's teacher /w/fm/ is trained in the same call"):
         quality.check_parallel(["fm:flow_matching:3500", "s:scd:1040:objective.teacher=/w/fm/"], 2, "/w")
+    with pytest.raises(SystemExit, match="run s's teacher /w/fm is trained in the same call"):  # RUNS/ is /w
+        quality.check_parallel(["fm:flow_matching:3500", "s:scd:1040:objective.teacher=RUNS/fm"], 2, "/w")
     with pytest.raises(SystemExit, match="--parallel 0"):
         quality.check_parallel(fixed, 0, "/w")
 
