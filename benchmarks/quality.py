@@ -330,8 +330,9 @@ def report(results: dict, path: str) -> None:
     lines += [
         "",
         "| run | objective | overrides | training steps | ms/step | GPU s | GPU s with teacher | weights | sampler steps "
-        "| FID | label accuracy | digit FD | faint pixels | FID / best FM 50-step on its GPU | flow-map error |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| FID | label accuracy | digit FD | faint pixels | FID / best FM 50-step on its GPU | FID / its teacher's 50-step "
+        "| flow-map error |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     # the ratio's baseline is the best 50-step flow-matching FID in the table (the strictest comparison) from a run on
     # the same kind of GPU: another card's arithmetic moves FID by a few percent (docs/quality.md, thirty-fifth day)
@@ -350,6 +351,7 @@ def report(results: dict, path: str) -> None:
             for k in scored_steps(r):
                 fid, acc = found[f"fid_steps{k}"], found.get(f"label_acc_steps{k}")
                 ratio = f"{fid / base[r['device']]:.2f}" if r["device"] in base else "-"
+                to_teacher = f"{fid / r['teacher_fid50']:.2f}" if r.get("teacher_fid50") else "-"
                 acc = f"{100 * acc:.1f} %" if acc is not None else "-"
                 fd = found.get(f"digit_fd_steps{k}")
                 fd = f"{fd:.3f}" if fd is not None else "-"
@@ -359,7 +361,7 @@ def report(results: dict, path: str) -> None:
                 fme = "-" if fme is None else f"{fme:.5f}"
                 lines.append(
                     f"| {r['name']} | {r['objective']} | {' '.join(r['overrides']) or '-'} | {r['train_steps']} | "
-                    f"{step_ms} | {gpu_s} | {with_teacher} | {weights} | {k} | {fid:.2f} | {acc} | {fd} | {faint} | {ratio} | {fme} |"
+                    f"{step_ms} | {gpu_s} | {with_teacher} | {weights} | {k} | {fid:.2f} | {acc} | {fd} | {faint} | {ratio} | {to_teacher} | {fme} |"
                 )
     lines += seed_table(results)
     with open(path, "w") as f:
@@ -385,6 +387,16 @@ def teacher_run(r: dict, results: dict) -> dict | None:
         if o.startswith("objective.teacher="):
             return results.get(os.path.basename(os.path.normpath(o.split("=", 1)[1])))
     return None
+
+
+def teacher_fid50(r: dict, results: dict) -> float | None:
+    """The 50-step FID of a distilled run's teacher (its first evaluation), if the table holds the teacher: issue 14
+    measures a student against its own teacher. Recorded with the student, since a later run may reuse the name."""
+    teacher = teacher_run(r, results)
+    if teacher is None:
+        return None
+    found = [e["results"]["fid_steps50"] for e in evaluations(teacher).values() if "fid_steps50" in e["results"]]
+    return found[0] if found else None
 
 
 def seed_table(results: dict) -> list[str]:
@@ -487,6 +499,7 @@ def main() -> None:
                 for f in futures:  # a failed run stops the call, as one at a time; those running finish
                     f.cancel()
                 raise
+            entry["teacher_fid50"] = teacher_fid50(entry, results)  # the teacher as it is now, not a later namesake
             results[entry["name"]] = entry  # written as each run ends: a later failure keeps the earlier results
             with open(results_path, "w") as f:
                 json.dump(results, f, indent=1)

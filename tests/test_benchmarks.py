@@ -78,21 +78,39 @@ def test_report_divides_by_the_best_flow_matching_50_step_fid(tmp_path):
         r.update(device="CPU", torch="-", triton="-", command="-")
     quality.report(json.loads(json.dumps(results)), tmp_path / "q.md")
     rows = [line for line in (tmp_path / "q.md").read_text().splitlines() if line.startswith("| c ")]
-    assert [row.split("|")[-3].strip() for row in rows] == ["1.50", "1.12"]  # 12 / 8 and 9 / 8: against b, not a
+    assert [row.split("|")[-4].strip() for row in rows] == ["1.50", "1.12"]  # 12 / 8 and 9 / 8: against b, not a
+    assert all(row.split("|")[-3].strip() == "-" for row in rows)  # no teacher's FID recorded with the run
     assert all(row.split("|")[-2].strip() == "-" for row in rows)  # no flow-map error measured
-    assert [row.split("|")[-5].strip() for row in rows] == ["3.250", "-"]  # the digit FD where it was measured
-    assert [row.split("|")[-4].strip() for row in rows] == ["-", "4.12 %"]  # the faint pixels' share, likewise
+    assert [row.split("|")[-6].strip() for row in rows] == ["3.250", "-"]  # the digit FD where it was measured
+    assert [row.split("|")[-5].strip() for row in rows] == ["-", "4.12 %"]  # the faint pixels' share, likewise
     assert all("| ema |" in row for row in rows)  # an old entry's single evaluation is the run's first EMA
     assert all(row.split("|")[6:8] == [" 50 ", " 251 "] for row in rows)  # its GPU s, and with its teacher b's
     results["c"]["device"] = "NVIDIA H100"  # another card: no flow-matching run of its own, so no ratio
     results["a"]["device"] = "NVIDIA H100"
     quality.report(json.loads(json.dumps(results)), tmp_path / "q.md")
     rows = [line for line in (tmp_path / "q.md").read_text().splitlines() if line.startswith("| c ")]
-    assert [row.split("|")[-3].strip() for row in rows] == ["1.20", "0.90"]  # against a, its card's only one
+    assert [row.split("|")[-4].strip() for row in rows] == ["1.20", "0.90"]  # against a, its card's only one
     del results["a"]
     quality.report(json.loads(json.dumps(results)), tmp_path / "q.md")
     rows = [line for line in (tmp_path / "q.md").read_text().splitlines() if line.startswith("| c ")]
-    assert [row.split("|")[-3].strip() for row in rows] == ["-", "-"]
+    assert [row.split("|")[-4].strip() for row in rows] == ["-", "-"]
+
+
+def test_a_students_fid_is_divided_by_its_own_teachers_as_recorded_when_it_ran(tmp_path):
+    quality = load("quality")
+    results = {
+        "t": entry("t", "flow_matching", {50: 4.0, 2: 20.0}),
+        "s": {**entry("s", "scd", {1: 12.0, 2: 6.0}), "overrides": ["objective.teacher=/w/t"]},
+    }
+    assert quality.teacher_fid50(results["t"], results) is None  # not a distilled run
+    assert quality.teacher_fid50({**results["s"], "overrides": ["objective.teacher=/w/gone"]}, results) is None
+    results["s"]["teacher_fid50"] = quality.teacher_fid50(results["s"], results)
+    results["t"] = entry("t", "flow_matching", {50: 3.0, 2: 20.0})  # a later teacher of the same name
+    for r in results.values():
+        r.update(device="CPU", torch="-", triton="-", command="-")
+    quality.report(json.loads(json.dumps(results)), tmp_path / "q.md")
+    rows = [line for line in (tmp_path / "q.md").read_text().splitlines() if line.startswith("| s ")]
+    assert [row.split("|")[-3].strip() for row in rows] == ["3.00", "1.50"]  # 12 / 4 and 6 / 4: the teacher it had
 
 
 def test_extra_sampler_steps_are_scored_and_reported_beside_the_objectives_own(tmp_path):
@@ -111,7 +129,7 @@ def test_extra_sampler_steps_are_scored_and_reported_beside_the_objectives_own(t
     steps = {name: [row.split("|")[9].strip() for row in lines if row.startswith(f"| {name} ")] for name in results}
     assert steps == {"fm": ["50", "2"], "mf": ["1", "2", "50"], "old": ["1", "2"]}
     mf50 = next(row for row in lines if row.startswith("| mf ") and row.split("|")[9].strip() == "50")
-    assert mf50.split("|")[-3].strip() == "1.25"  # 5 / 4: a MeanFlow 50-step FID is not the baseline
+    assert mf50.split("|")[-4].strip() == "1.25"  # 5 / 4: a MeanFlow 50-step FID is not the baseline
 
 
 def test_seeds_name_the_runs_and_the_report_averages_over_them(tmp_path):
@@ -141,7 +159,7 @@ def test_seeds_name_the_runs_and_the_report_averages_over_them(tmp_path):
     }
     quality.report(json.loads(json.dumps(results)), tmp_path / "q.md")
     text = (tmp_path / "q.md").read_text()
-    assert "| m_s1 | meanflow_distill | - | 10 | 1.0 | 0 | - | ema0.99 | 1 | 26.00 | - | - | - | - | 0.05000 |" in text
+    assert "| m_s1 | meanflow_distill | - | 10 | 1.0 | 0 | - | ema0.99 | 1 | 26.00 | - | - | - | - | - | 0.05000 |" in text
     assert "| m | 3 | ema0.99 | 1 | 23.00 | 20.00-26.00 | 0.04000 (0.03000-0.05000) |" in text
     assert "| m | 3 | ema0.99 | 2 | 10.00 | 10.00-10.00 | 0.01000 (0.01000-0.01000) |" in text
     assert "| single | 1 |" not in text  # one run is no spread
