@@ -22,7 +22,8 @@ Distillation runs name their teacher's run folder, which an earlier run of the s
 start of an override's value stands for the `--work` folder:
     --runs fm:flow_matching:3500 scd:scd:51s:objective.teacher=RUNS/fm
 When the table holds the teacher's run, a student's row also gives its GPU time with the teacher's: the whole
-teacher-then-student pipeline, to set against one objective trained from scratch for the same time.
+teacher-then-student pipeline, to set against one objective trained from scratch for the same time; and its FID over
+the teacher's 50-step FID (issue 14's ratio), from the teacher's entry as it was when the student ran.
 
 Single runs at this budget move by ~25 % in 1-step FID from changes that should not matter (docs/quality.md,
 sixth day), so `--seeds 0 1 2` trains each run once per seed (NAME_s<seed>, `trainer.seed=<seed>`) and the report
