@@ -72,6 +72,8 @@ def test_bad_value_is_one_line_and_leaves_nothing(tmp_path):
         ("data=mnist", "does not exist"),
         ("model.prediction=eps", "unknown prediction 'eps'; valid: velocity, data"),
         ("objective=scd objective.teacher=t.pt model.prediction=data", "model.prediction=data does not fit objective SCD"),
+        ("objective=flow_matching model.decoder_depth=1", "model.decoder_depth=1 conditions the last blocks on r"),
+        ("model.decoder_depth=3", "model.decoder_depth must be in [0, 2] (DiT-T/4 has 2 blocks), got 3"),
     ],
 )
 def test_bad_values(tmp_path, train_run, override, expected):
