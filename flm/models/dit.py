@@ -312,12 +312,11 @@ class DiT(nn.Module):
             return [hidden[i] for i in features]
         for i, block in enumerate(self.blocks):
             h = block(h, c_act if i < first else c_out)
-        c_act = c_out
         if head != "output":
-            velocity = self._unpatchify(self.velocity_layer(h, c_act), x.shape).to(x.dtype)
+            velocity = self._unpatchify(self.velocity_layer(h, c_out), x.shape).to(x.dtype)
             if head == "velocity":
                 return velocity
-        out = self._unpatchify(self.final_layer(h, c_act), x.shape)
+        out = self._unpatchify(self.final_layer(h, c_out), x.shape)
         if head == "both":
             return torch.cat([out.to(x.dtype), velocity], dim=1)
         if self.prediction == "data":  # out is x^; the velocity (x_t - x^) / t, in x's precision (t (B,) or a scalar)
