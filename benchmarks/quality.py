@@ -325,8 +325,11 @@ def triton_version() -> str:
 
 
 def report(results: dict, path: str) -> None:
+    # an entry added by hand (a call cut off before quality.py wrote it) says where its numbers come from in `note`
     lines = [
-        f"- `{r['name']}`: {r['device']}, torch {r['torch']}, Triton {r['triton']}; `{r['command']}`" for r in results.values()
+        f"- `{r['name']}`: {r['device']}, torch {r['torch']}, Triton {r['triton']}; `{r['command']}`"
+        + (f" ({r['note']})" if r.get("note") else "")
+        for r in results.values()
     ]
     lines += [
         "",

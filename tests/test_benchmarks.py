@@ -85,6 +85,11 @@ def test_report_divides_by_the_best_flow_matching_50_step_fid(tmp_path):
     assert [row.split("|")[-5].strip() for row in rows] == ["-", "4.12 %"]  # the faint pixels' share, likewise
     assert all("| ema |" in row for row in rows)  # an old entry's single evaluation is the run's first EMA
     assert all(row.split("|")[6:8] == [" 50 ", " 251 "] for row in rows)  # its GPU s, and with its teacher b's
+    listed = [line for line in (tmp_path / "q.md").read_text().splitlines() if line.startswith("- `")]
+    assert listed == [f"- `{name}`: CPU, torch -, Triton -; `-`" for name in "abc"]
+    results["c"]["note"] = "from the call's printed table"  # an entry added by hand says so
+    quality.report(json.loads(json.dumps(results)), tmp_path / "q.md")
+    assert "- `c`: CPU, torch -, Triton -; `-` (from the call's printed table)" in (tmp_path / "q.md").read_text()
     results["c"]["device"] = "NVIDIA H100"  # another card: no flow-matching run of its own, so no ratio
     results["a"]["device"] = "NVIDIA H100"
     quality.report(json.loads(json.dumps(results)), tmp_path / "q.md")
