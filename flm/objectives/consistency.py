@@ -349,8 +349,8 @@ class SCM(Curricular, nn.Module):
         x_s = cos_s * consistency_value(x_t32, t, v) + sin_s * (sin_t * x_t32 + cos_t * v)
         F_s = self.network_output(model, (x_s / self.sigma_d).to(x_t.dtype), s, y).float()
         # at s = 0 (alpha = 1) the boundary condition f(x, 0) = x, whatever F does there (a 1 / sin s of its own)
-        f_s = torch.where(bcast(s > 0, v), cos_s * x_s - sin_s * self.sigma_d * F_s, x_s)
-        f_t = cos_t * x_t32 - sin_t * self.sigma_d * F_minus
+        f_s = torch.where(bcast(s > 0, v), consistency_value(x_s, s, self.sigma_d * F_s), x_s)
+        f_t = consistency_value(x_t32, t, self.sigma_d * F_minus)
         return cos_t * (f_t - f_s) / bcast(t - s, v)
 
     def tangent_parts(self, F_minus, cs_dFdt, x_t, t, dx_t):
