@@ -70,7 +70,12 @@ class SCD(SCM):
             training starts, never by sample.py or evaluate.py.
         teacher_cfg_scale: the teacher's classifier-free guidance baked into the student (1.0: none).
         one_step_frac: this fraction of each batch (a fixed count, its first samples) takes t = t_max, the 1-step
-            sampler's time, and the long-jump target of the module docstring; 0 (the default) is sCD's loss.
+            sampler's time, with one_step_target's target; 0 (the default) is sCD's loss.
+        one_step_target: "jump", the long-jump target of the module docstring, or "consistency", sCD's own loss
+            there: the 1-step sampler's time trained as often as one_step_frac says (sCD's proposal draws t within
+            0.05 of t_max for ~1 % of a batch), with no teacher ODE.
+        two_step_frac: the next fraction of each batch takes the 2-step sampler's second time mid_t (each of mid_t
+            in turn when it holds several), with sCD's own loss; 0: off.
         one_step_mid: the time s the teacher's ODE runs down to for that target (on the CPU 0.3-0.8 did equally
             well; at 1.1 one of two seeds degraded: docs/quality.md).
         teacher_steps: Euler steps of the teacher from t_max down to one_step_mid.
@@ -104,6 +109,8 @@ class SCD(SCM):
         teacher: str,
         teacher_cfg_scale: float = 1.0,
         one_step_frac: float = 0.0,
+        one_step_target: str = "jump",
+        two_step_frac: float = 0.0,
         one_step_mid: float = 0.8,
         teacher_steps: int = 8,
         one_step_ema: float | None = None,
@@ -127,6 +134,17 @@ class SCD(SCM):
             )
         super().__init__(**{"logvar_loss": "sum", **kwargs})
         check_probability("one_step_frac", one_step_frac)
+        check_probability("two_step_frac", two_step_frac)
+        if one_step_frac + two_step_frac > 1:
+            raise ValueError(
+                f"one_step_frac + two_step_frac must be at most 1 (fractions of one batch), got {one_step_frac} + {two_step_frac}"
+            )
+        if one_step_target not in ("jump", "consistency"):
+            raise ValueError(
+                f"one_step_target must be 'jump' (the teacher's ODE, then the student's map) or 'consistency' (sCD's "
+                f"own loss at t_max), got {one_step_target!r}"
+            )
+        self.one_step_target_kind, self.two_step_frac = one_step_target, float(two_step_frac)
         if not (isinstance(one_step_mid, (int, float)) and 0 < one_step_mid < self.t_max):
             raise ValueError(f"one_step_mid must lie in (0, t_max={self.t_max:.4f}), got {one_step_mid!r}")
         self.one_step_frac, self.one_step_mid = float(one_step_frac), float(one_step_mid)
@@ -134,7 +152,7 @@ class SCD(SCM):
         if one_step_ema is not None and not (isinstance(one_step_ema, float) and 0 < one_step_ema < 1):
             raise ValueError(f"one_step_ema must be an EMA decay in (0, 1) or null (the model itself), got {one_step_ema!r}")
         # the loop passes the EMA of this decay to loss() as `ema` (flm.train.loop.build_state)
-        self.target_ema_decay = one_step_ema if self.one_step_frac else None
+        self.target_ema_decay = one_step_ema if self.one_step_frac and one_step_target == "jump" else None
         self.hf_weight_one_step = check_hf_weight_one_step(hf_weight_one_step, one_step_frac)
         if one_step_solver not in ("euler", "heun"):
             raise ValueError(f"one_step_solver must be 'euler' or 'heun', got {one_step_solver!r}")
@@ -175,21 +193,32 @@ class SCD(SCM):
 
     def loss(self, model, x, y=None, *, step=0, teacher, ema=None):
         y = drop_labels(model, y, self.label_dropout)
-        t = lognormal_trigflow(x.shape[0], self.p_mean, self.p_std, self.sigma_d, device=x.device)
+        t = self.sampler_times(lognormal_trigflow(x.shape[0], self.p_mean, self.p_std, self.sigma_d, device=x.device))
         k = round(self.one_step_frac * len(t))
-        if k:
-            t = torch.cat([t.new_full((k,), self.t_max), t[k:]])
         x_t = self.path.sample(x, torch.randn_like(x), t).x_t
         dx_t = self.teacher_dxdt(teacher, x_t, t, y)
-        target_net = model
-        if k and self.target_ema_decay is not None:
-            check_target_ema(ema, self.target_ema_decay, f"objective.one_step_ema={self.target_ema_decay:g}")
-            target_net = ema
-        target = self.one_step_target(target_net, teacher, x_t[:k], dx_t[:k], None if y is None else y[:k]) if k else None
+        target = None
+        if k and self.one_step_target_kind == "jump":
+            target_net = model
+            if self.target_ema_decay is not None:
+                check_target_ema(ema, self.target_ema_decay, f"objective.one_step_ema={self.target_ema_decay:g}")
+                target_net = ema
+            target = self.one_step_target(target_net, teacher, x_t[:k], dx_t[:k], None if y is None else y[:k])
         hf_weight = first_k_hf_weight(len(t), k, self.hf_weight, self.hf_weight_one_step, x.device)
         return self.consistency_loss(
             model, x_t, t, dx_t, y, step, target=target, hf_weight=hf_weight, boundary=self.boundary(x_t, t, dx_t)
         )
+
+    def sampler_times(self, t: torch.Tensor) -> torch.Tensor:
+        """t with its first round(one_step_frac n) entries at t_max and the next round(two_step_frac n) at mid_t (cycled):
+        fixed counts, so every step has the same shapes (a CUDA graph replays it)."""
+        n = len(t)
+        k1, k2 = round(self.one_step_frac * n), round(self.two_step_frac * n)
+        if not (k1 or k2):
+            return t
+        mids = torch.tensor(self.mid_t, device=t.device, dtype=t.dtype)
+        fixed = torch.cat([t.new_full((k1,), self.t_max), mids[torch.arange(k2, device=t.device) % len(mids)]])
+        return torch.cat([fixed, t[k1 + k2 :]])
 
     def boundary(self, x_t, t, dx_t):
         """(weight, mask, f_teacher) of boundary_weight's regression: the samples below boundary_time (a float mask:

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from flm.objectives import RCM, SCD, MeanFlow, MeanFlowDMD, build_objective
+from flm.objectives import RCM, SCD, MeanFlow, MeanFlowDMD, build_objective, distillation
 from flm.objectives.adversarial import Discriminator
 from flm.objectives.teacher import flow_time, trigflow_velocity
 from tests.models.tiny import plain_layers, tiny_dit, with_backend
@@ -238,6 +238,33 @@ def test_the_one_step_share_takes_t_max_and_its_target_in_the_loss():
     assert all(p.grad is not None for p in student.parameters() if p.requires_grad)
 
 
+def test_the_samplers_times_take_sCDs_own_loss_with_one_step_target_consistency(monkeypatch):
+    """one_step_target=consistency: the first share at t_max and the next (two_step_frac) at mid_t, cycled, with no
+    teacher ODE; the loss is sCD's at those times: equal to the loss of a run whose proposal drew them."""
+    base = {"teacher": "unused", "warmup_steps": 0, "mid_t": (1.2, 0.6)}
+    scd = SCD(**base, one_step_frac=0.25, one_step_target="consistency", two_step_frac=0.5)
+    assert scd.target_ema_decay is None
+    student, teacher = tiny_dit(seed=1), tiny_dit(seed=2)
+    x, y = torch.randn(8, 3, 8, 8), torch.arange(8) % 4
+    times = []
+    scd.logvar.register_forward_hook(lambda module, args, out: times.append(args[0].clone()))
+    scd.one_step_target = lambda *args: pytest.fail("the consistency target runs no teacher ODE")
+    torch.manual_seed(0)
+    loss, metrics = scd.loss(student, x, y, step=5, teacher=teacher)
+    expected = torch.tensor([scd.t_max] * 2 + [1.2, 0.6, 1.2, 0.6])
+    torch.testing.assert_close(times[0][:6], expected)
+    assert (times[0][6:] < scd.t_max).all() and "one_step_mse" not in metrics
+
+    plain = SCD(**base)
+    plain.logvar.load_state_dict(scd.logvar.state_dict())
+    drawn, original = times[0].clone(), distillation.lognormal_trigflow
+    # the same draw (the same random stream after it), then the times the shares took
+    monkeypatch.setattr(distillation, "lognormal_trigflow", lambda *args, **kwargs: (original(*args, **kwargs), drawn)[1])
+    torch.manual_seed(0)
+    plain_loss, _ = plain.loss(student, x, y, step=5, teacher=teacher)
+    torch.testing.assert_close(loss, plain_loss)
+
+
 @pytest.mark.parametrize("distilled", [SCD, RCM])
 def test_one_step_ema_takes_the_targets_f_from_the_ema_network(distilled):
     """With one_step_ema the loop passes that EMA as `ema` (target_ema_decay), and the one-step target's f is its:
@@ -293,6 +320,8 @@ def test_hf_weight_one_step_weighs_the_one_step_share_alone():
         ({"hf_weight_one_step": 16.0}, "hf_weight_one_step=16.0 weighs the one_step_frac samples, and one_step_frac is 0"),
         ({"one_step_frac": 0.5, "hf_weight_one_step": -1.0}, "hf_weight must be a finite weight"),
         ({"one_step_frac": 1.5}, "one_step_frac must be a probability"),
+        ({"one_step_frac": 0.5, "two_step_frac": 0.75}, "one_step_frac \\+ two_step_frac must be at most 1"),
+        ({"one_step_target": "teacher"}, "one_step_target must be 'jump'"),
         ({"one_step_mid": 2.0}, "one_step_mid must lie in"),
         ({"one_step_mid": None}, "one_step_mid must lie in"),
         ({"teacher_steps": 0}, "teacher_steps must be an int >= 1"),
