@@ -216,9 +216,11 @@ class SCD(SCM):
         k1, k2 = round(self.one_step_frac * n), round(self.two_step_frac * n)
         if not (k1 or k2):
             return t
-        mids = torch.tensor(self.mid_t, device=t.device, dtype=t.dtype)
-        fixed = torch.cat([t.new_full((k1,), self.t_max), mids[torch.arange(k2, device=t.device) % len(mids)]])
-        return torch.cat([fixed, t[k1 + k2 :]])
+        t = t.clone()  # filled in place from python floats: no host-to-device copy inside a CUDA-graph capture
+        t[:k1] = self.t_max
+        for i, mid in enumerate(self.mid_t):
+            t[k1 + i : k1 + k2 : len(self.mid_t)] = mid
+        return t
 
     def boundary(self, x_t, t, dx_t):
         """(weight, mask, f_teacher) of boundary_weight's regression: the samples below boundary_time (a float mask:

@@ -57,6 +57,18 @@ def _flat_grads(params):
         ("meanflow", "dual", {"one_step_frac": 0.125, "hf_weight": 256.0, "hf_weight_one_step": 16.0}),
         # a teacher's velocity, and the perceptual term through its features (it diverged graphed on the H200)
         ("meanflow", "dual", {"teacher": "unused", "one_step_frac": 0.25, "perceptual_weight": 1.0}),
+        # sCD at its samplers' times: the shares' times are filled in place (no host-to-device copy in the capture)
+        (
+            "scd",
+            "dual",
+            {
+                "teacher": "unused",
+                "one_step_frac": 0.125,
+                "one_step_target": "consistency",
+                "two_step_frac": 0.25,
+                "mid_t": (1.2, 0.6),
+            },
+        ),
     ],
 )
 def test_graph_replay_matches_the_eager_step(objective_name, mode, options):
