@@ -13,6 +13,16 @@ def check_probability(name: str, p: float) -> None:
         raise ValueError(f"{name} must be a probability in [0, 1], got {p!r}")
 
 
+def check_sampler_shares(one_step_frac: float, two_step_frac: float) -> None:
+    """The shares of a batch at the 1- and 2-step samplers' times: probabilities that fit in one batch together."""
+    check_probability("one_step_frac", one_step_frac)
+    check_probability("two_step_frac", two_step_frac)
+    if one_step_frac + two_step_frac > 1:
+        raise ValueError(
+            f"one_step_frac + two_step_frac must be at most 1 (fractions of one batch), got {one_step_frac} + {two_step_frac}"
+        )
+
+
 def check_hf_weight(hf_weight: float) -> float:
     """flm.objectives.frequency's weight of the pixel-scale error: finite, >= 0."""
     if not 0 <= hf_weight < float("inf"):

@@ -46,7 +46,7 @@ import math
 
 import torch
 
-from flm.objectives.checks import check_hf_weight_one_step, check_probability, check_target_ema, check_teacher_steps
+from flm.objectives.checks import check_hf_weight_one_step, check_sampler_shares, check_target_ema, check_teacher_steps
 from flm.objectives.consistency import SCM, consistency_value
 from flm.objectives.dmd import DMDRegularised
 from flm.objectives.frequency import first_k_hf_weight
@@ -133,12 +133,7 @@ class SCD(SCM):
                 "objective.velocity_estimate=sample"
             )
         super().__init__(**{"logvar_loss": "sum", **kwargs})
-        check_probability("one_step_frac", one_step_frac)
-        check_probability("two_step_frac", two_step_frac)
-        if one_step_frac + two_step_frac > 1:
-            raise ValueError(
-                f"one_step_frac + two_step_frac must be at most 1 (fractions of one batch), got {one_step_frac} + {two_step_frac}"
-            )
+        check_sampler_shares(one_step_frac, two_step_frac)
         if one_step_target not in ("jump", "consistency"):
             raise ValueError(
                 f"one_step_target must be 'jump' (the teacher's ODE, then the student's map) or 'consistency' (sCD's "

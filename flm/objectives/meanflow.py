@@ -126,6 +126,7 @@ from flm.objectives.checks import (
     check_hf_weight,
     check_hf_weight_one_step,
     check_probability,
+    check_sampler_shares,
     check_std,
     check_target_ema,
     check_teacher_steps,
@@ -291,12 +292,7 @@ class MeanFlow(Curricular, nn.Module):
         self.two_step_s = float(self.sampler_times(2, "cpu")[1])
         check_probability("r_neq_t", r_neq_t)
         check_probability("r_zero", r_zero)
-        check_probability("one_step_frac", one_step_frac)
-        check_probability("two_step_frac", two_step_frac)
-        if one_step_frac + two_step_frac > 1:
-            raise ValueError(
-                f"one_step_frac + two_step_frac must be at most 1 (fractions of one batch), got {one_step_frac} + {two_step_frac}"
-            )
+        check_sampler_shares(one_step_frac, two_step_frac)
         if split_above is not None and not 0 <= split_above < 1:
             raise ValueError(f"split_above must be an interval length in [0, 1) or null (off), got {split_above!r}")
         if not 0 < split_frac <= 1:
