@@ -70,11 +70,12 @@ def run(cfg: DictConfig) -> dict:
         device=device,
         source=path,
         mid_t=cfg.mid_t,
+        gamma=cfg.gamma,
     )
     steps = parse_steps(cfg.steps if cfg.steps is not None else sampler_steps(bundle, objective, path))
     args = bundle["model_args"]
     run_dir, stem = output_base(path)
-    mid = mid_t_tag(objective, cfg.mid_t)
+    mid = mid_t_tag(objective, cfg.mid_t, cfg.gamma)
     out = cfg.out or os.path.join(run_dir, "eval", f"{stem}-{cfg.weights}-cfg{cfg.cfg_scale:g}{mid}-seed{cfg.seed}-n{n}.json")
     evaluator = Evaluator(
         data=run_data(run_cfg, cfg.data.root),
@@ -108,6 +109,7 @@ def run(cfg: DictConfig) -> dict:
         "n": n,
         "cfg_scale": cfg.cfg_scale,
         "mid_t": list(objective.mid_t) if hasattr(objective, "mid_t") else None,
+        "gamma": getattr(objective, "gamma", None),
         "seed": cfg.seed,
         "reference": ref.describe() if ref else None,
         "reference_n": ref.n if ref else None,

@@ -38,6 +38,7 @@ class SampleConfig:
     n: int = 64
     cfg_scale: float = 1.0
     mid_t: list[float] | float | None = None
+    gamma: float | None = None
     label: int | None = None
     seed: int = 0
     batch_size: int = 64
@@ -72,6 +73,7 @@ def run(cfg: DictConfig) -> str:
         device=device,
         source=path,
         mid_t=cfg.mid_t,
+        gamma=cfg.gamma,
     )
     decoder = decoder_of(bundle.get("config"), device, path)
 
@@ -95,7 +97,7 @@ def run(cfg: DictConfig) -> str:
     )
 
     run_dir, stem = output_base(path)
-    mid = mid_t_tag(objective, cfg.mid_t)
+    mid = mid_t_tag(objective, cfg.mid_t, cfg.gamma)
     out = cfg.out or os.path.join(
         run_dir, "samples", f"{stem}-{cfg.weights}-steps{steps}-cfg{cfg.cfg_scale:g}{mid}-seed{cfg.seed}-n{cfg.n}"
     )

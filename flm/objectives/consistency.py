@@ -157,6 +157,10 @@ class SCM(Curricular, nn.Module):
         sigma_max: t_max = arctan(sigma_max / sigma_d) is where sampling starts.
         mid_t: intermediate times for multi-step sampling, used when steps == len(mid_t) + 1
             (paper: (1.1,) for 2 steps); other step counts space times uniformly in t.
+        gamma: how much fresh noise multi-step sampling re-noises with (gamma-sampling, as consistency trajectory
+            models name it): x_s = cos(s) x0 + sin(s) sigma_d (sqrt(1 - gamma^2) z^ + gamma eps), z^ the noise that the
+            previous step's input implies, (x_t - cos(t) x0) / (sin(t) sigma_d). 1 (the paper's sampler): fresh noise
+            only; 0: deterministic, the first noise carried through.
         cfg_interval: [t_min, t_max] in TrigFlow time: guidance in training and the sampler's guidance only there;
             null: at every t.
         alpha_steps: (start, end) of the consistency curriculum (flm.objectives.curriculum; the module docstring):
@@ -192,6 +196,7 @@ class SCM(Curricular, nn.Module):
         jvp_mode: str = "dual",
         sigma_max: float = 80.0,
         mid_t: tuple[float, ...] = (1.1,),
+        gamma: float = 1.0,
         cfg_interval: tuple[float, float] | None = None,
         alpha_steps: tuple[int, int] | None = None,
         alpha_min: float = 5e-3,
@@ -220,6 +225,9 @@ class SCM(Curricular, nn.Module):
         self.velocity_weight = float(velocity_weight)
         self.jvp_mode = check_jvp_mode(jvp_mode)
         self.mid_t = tuple(float(t) for t in mid_t)
+        if not 0 <= gamma <= 1:
+            raise ValueError(f"gamma must lie in [0, 1] (1: fresh noise at each re-noising, 0: none), got {gamma!r}")
+        self.gamma = float(gamma)
         self.cfg_interval = check_interval(cfg_interval)
         self.path = TrigFlowPath(sigma_d)
         # None: the plain mean of ||F - F- - g||^2 / D (no learned weight, no parameters)
@@ -383,12 +391,16 @@ class SCM(Curricular, nn.Module):
         if generators is not None and len(generators) != noise.shape[0]:
             raise ValueError(f"got {len(generators)} generators for {noise.shape[0]} images; pass one per image")
         times = self.sample_times(steps)
-        x0 = self.consistency_fn(model, self.sigma_d * noise.float(), times[0], y, cfg_scale)
-        for t in times[1:]:
-            if generators is None:
-                eps = torch.randn(noise.shape, device=noise.device)
-            else:
-                eps = randn_per_image(generators, noise.shape[1:], device=noise.device)
+        x_t = self.sigma_d * noise.float()
+        x0 = self.consistency_fn(model, x_t, times[0], y, cfg_scale)
+        for t_prev, t in zip(times, times[1:]):
+            if self.gamma > 0:
+                eps = torch.randn(noise.shape, device=noise.device) if generators is None else randn_per_image(
+                    generators, noise.shape[1:], device=noise.device
+                )
+            if self.gamma < 1:
+                implied = (x_t - math.cos(t_prev) * x0) / (math.sin(t_prev) * self.sigma_d)
+                eps = implied if self.gamma == 0 else math.sqrt(1 - self.gamma**2) * implied + self.gamma * eps
             x_t = math.cos(t) * x0 + math.sin(t) * self.sigma_d * eps
             x0 = self.consistency_fn(model, x_t, t, y, cfg_scale)
         return x0

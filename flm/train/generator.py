@@ -33,17 +33,35 @@ def with_mid_t(section, mid_t, source: str):
     return {**section, "mid_t": [float(v) for v in values]}
 
 
-def mid_t_tag(objective, mid_t) -> str:
-    """The part of an output file name that says mid_t was set ("-mid0.8"); "" when it was not."""
-    return "" if mid_t is None else "-mid" + "_".join(f"{t:g}" for t in objective.mid_t)
+def with_gamma(section, gamma, source: str):
+    """The stored objective section with its multi-step sampler's re-noising gamma replaced (TrigFlow runs:
+    flm.objectives.consistency.SCM's gamma, a sampling choice)."""
+    name = section.get("name") if isinstance(section, Mapping) else None
+    if not (name in OBJECTIVES and issubclass(OBJECTIVES[name], SCM)):
+        raise ValueError(
+            f"gamma={gamma} sets how much fresh noise the multi-step sampler of a TrigFlow run (scm, scd, rcm) re-noises "
+            f"with, but {source} is a {name} run, which does not re-noise; leave gamma=null"
+        )
+    if not (isinstance(gamma, (int, float)) and not isinstance(gamma, bool)):
+        raise ValueError(f"gamma must be a number in [0, 1] (1: fresh noise, 0: none), got {gamma!r}")
+    return {**section, "gamma": float(gamma)}
 
 
-def build_objective_from(bundle: dict, source: str = "the checkpoint", mid_t=None) -> Objective:
+def mid_t_tag(objective, mid_t, gamma=None) -> str:
+    """The part of an output file name that says mid_t or gamma was set ("-mid0.8", "-gamma0"); "" when neither was."""
+    tag = "" if mid_t is None else "-mid" + "_".join(f"{t:g}" for t in objective.mid_t)
+    return tag + ("" if gamma is None else f"-gamma{objective.gamma:g}")
+
+
+def build_objective_from(bundle: dict, source: str = "the checkpoint", mid_t=None, gamma=None) -> Objective:
     """The run's objective from the registry (flm.train.config: names and plain values only), with its saved
-    state; `mid_t` (not None) replaces its few-step sampler's intermediate times (with_mid_t)."""
+    state; `mid_t` and `gamma` (not None) replace its few-step sampler's intermediate times (with_mid_t) and
+    re-noising (with_gamma)."""
     section = (bundle.get("config") or {}).get("objective")
     if mid_t is not None:
         section = with_mid_t(section, mid_t, source)
+    if gamma is not None:
+        section = with_gamma(section, gamma, source)
     objective = objective_from_config(section, where=source)
     if bundle.get("objective"):
         objective.load_state_dict(bundle["objective"])
@@ -95,10 +113,12 @@ def load_generator(
     device="cpu",
     source: str = "the checkpoint",
     mid_t=None,
+    gamma=None,
 ) -> tuple[torch.nn.Module, Objective]:
     """(model, objective) on `device`, the model in eval mode with the `attention` backend (sampling
-    takes no JVP, and the run's training backend need not run on this machine); `mid_t` as build_objective_from's."""
-    objective = build_objective_from(bundle, source, mid_t).to(device)
+    takes no JVP, and the run's training backend need not run on this machine); `mid_t`, `gamma` as
+    build_objective_from's."""
+    objective = build_objective_from(bundle, source, mid_t, gamma).to(device)
     model = build_model(**{**plain(bundle["model_args"], f"{source}: model_args"), "attention": attention})
     model.load_state_dict(generator_state(bundle, weights, ema_decay, ema))
     return model.to(device).eval(), objective

@@ -1,3 +1,4 @@
+import math
 """sCT on TrigFlow: loss at the exact consistency function, warm-up, adaptive weighting, sampler.
 
 python -m pytest tests/objectives/test_consistency.py -q
@@ -193,6 +194,32 @@ def test_multi_step_sampling_depends_only_on_each_images_generator():
     assert (other - whole).abs().max() > 1e-3
     with pytest.raises(ValueError, match="got 2 generators for 5 images; pass one per image"):
         scm.sample(model, noise, steps=2, generators=_generators(range(2)))
+
+
+def test_gamma_mixes_the_implied_noise_with_fresh_noise():
+    model = tiny_dit(num_classes=0, channels=1, input_size=8)
+    noise = torch.randn(3, 1, 8, 8)
+
+    def by_hand(scm, gamma):  # 2 steps: x0 from the noise, re-noised at mid_t with the gamma mix, x0 again
+        t0, s = scm.sample_times(2)
+        x_t = scm.sigma_d * noise
+        x0 = scm.consistency_fn(model, x_t, t0, None)
+        implied = (x_t - math.cos(t0) * x0) / (math.sin(t0) * scm.sigma_d)
+        fresh = torch.stack([torch.randn(noise.shape[1:], generator=g) for g in _generators(range(3))])
+        eps = math.sqrt(1 - gamma**2) * implied + gamma * fresh
+        return scm.consistency_fn(model, math.cos(s) * x0 + math.sin(s) * scm.sigma_d * eps, s, None)
+
+    for gamma in (1.0, 0.6, 0.0):
+        got = SCM(gamma=gamma).sample(model, noise, steps=2, generators=_generators(range(3)))
+        torch.testing.assert_close(got, by_hand(SCM(gamma=gamma), gamma), rtol=1e-5, atol=1e-5)
+    # gamma 0 draws nothing: deterministic whatever the generators; gamma 1 is the paper's sampler, fresh noise only
+    deterministic = SCM(gamma=0.0)
+    a = deterministic.sample(model, noise, steps=3, generators=_generators(range(3)))
+    torch.testing.assert_close(a, deterministic.sample(model, noise, steps=3, generators=_generators(range(7, 10))))
+    assert (a - SCM().sample(model, noise, steps=3, generators=_generators(range(3)))).abs().max() > 1e-3
+    for bad in (-0.1, 1.5):
+        with pytest.raises(ValueError, match=r"gamma must lie in \[0, 1\]"):
+            SCM(gamma=bad)
 
 
 @pytest.mark.parametrize("step", [0, 1, 3, 7])

@@ -123,6 +123,18 @@ def test_mid_t_sets_the_two_step_time_of_trigflow_runs(run):
         build_objective_from(flow_matching, mid_t=[0.6])
 
 
+def test_gamma_sets_the_re_noising_of_trigflow_runs():
+    assert build_objective_from({"config": {"objective": {"name": "scm"}}}).gamma == 1.0  # a run saved before gamma
+    assert build_objective_from({"config": {"objective": {"name": "scm"}}}, gamma=0).gamma == 0.0
+    with pytest.raises(ValueError, match="gamma must be a number"):
+        build_objective_from({"config": {"objective": {"name": "scm"}}}, gamma="none")
+    with pytest.raises(ValueError, match=r"gamma must lie in \[0, 1\]"):
+        build_objective_from({"config": {"objective": {"name": "scm"}}}, gamma=2)
+    for name in ("flow_matching", "meanflow"):
+        with pytest.raises(ValueError, match=f"is a {name} run, which does not re-noise; leave gamma=null"):
+            build_objective_from({"config": {"objective": {"name": name}}}, gamma=0.5)
+
+
 def test_mid_t_sets_the_jumps_of_meanflow_sampling(run):
     """MeanFlow's 2 jumps go 1 -> mid_t -> 0 (the default: 1 -> 0.5 -> 0); other step counts stay uniform."""
     meanflow = checkpoint.load(checkpoint.find_checkpoint(str(run["dir"])))
