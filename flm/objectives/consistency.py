@@ -395,8 +395,10 @@ class SCM(Curricular, nn.Module):
         x0 = self.consistency_fn(model, x_t, times[0], y, cfg_scale)
         for t_prev, t in zip(times, times[1:]):
             if self.gamma > 0:
-                eps = torch.randn(noise.shape, device=noise.device) if generators is None else randn_per_image(
-                    generators, noise.shape[1:], device=noise.device
+                eps = (
+                    torch.randn(noise.shape, device=noise.device)
+                    if generators is None
+                    else randn_per_image(generators, noise.shape[1:], device=noise.device)
                 )
             if self.gamma < 1:
                 implied = (x_t - math.cos(t_prev) * x0) / (math.sin(t_prev) * self.sigma_d)

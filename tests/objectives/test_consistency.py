@@ -1,8 +1,9 @@
-import math
 """sCT on TrigFlow: loss at the exact consistency function, warm-up, adaptive weighting, sampler.
 
 python -m pytest tests/objectives/test_consistency.py -q
 """
+
+import math
 
 import pytest
 import torch
