@@ -111,13 +111,18 @@ def steady_gpu_seconds(run_dir: str) -> float:
     return training_seconds(read_metrics(run_dir))[-1][1]
 
 
-def curriculum_end(overrides: list[str]) -> int | None:
-    """alpha_steps[1] of a run with MeanFlow's consistency curriculum (objective.alpha_steps=[start,end]), else None:
-    its steps cost less before it (no JVP)."""
+def cost_change(overrides: list[str]) -> tuple[int, str] | None:
+    """(end, key) of a run whose steps cost less before step `end`, else None: MeanFlow's consistency curriculum
+    (objective.alpha_steps=[start,end]: no JVP before its hand-over) or a DMD start (objective.dmd_start: the
+    distillation alone, no DMD forwards and no fake-score steps, before it). `key` is the override that makes every step
+    the later kind when dropped."""
     for override in overrides:
         key, _, value = override.partition("=")
-        if key.lstrip("+") == "objective.alpha_steps" and value.strip() not in ("", "null"):
-            return int(ast.literal_eval(value)[1])
+        key, value = key.lstrip("+"), value.strip()
+        if key == "objective.alpha_steps" and value not in ("", "null"):
+            return int(ast.literal_eval(value)[1]), key
+        if key == "objective.dmd_start" and value not in ("", "null", "0"):
+            return int(value), key
     return None
 
 
@@ -181,14 +186,15 @@ def run_objective(spec: str, args, group: str | None = None) -> dict:
         probe = args.probe_steps if steps == "auto" else min(args.probe_steps, 100)
         # the probe's steps lie in the warm-up, which no decay touches; the resumed run decays to its own max_steps
         sh(train + [f"trainer.max_steps={probe}", "optim.decay=none"], log)
-        end, ms_after = curriculum_end(overrides), None
-        if end is not None:  # the curriculum's steps take no JVP: the identity's steps are probed apart, curriculum off
+        change, end, ms_after = cost_change(overrides), None, None
+        if change is not None:  # cheaper steps until `end`: the later kind is probed apart, with the option dropped
+            end, key = change
             if probe >= end:
-                raise SystemExit(f"error: {name}'s curriculum ends at step {end}, inside the {probe}-step probe")
-            identity_dir = f"{run_dir}-identity-probe"
-            plain = [a for a in train if not a.lstrip("+").startswith(("run_dir=", "objective.alpha_steps="))]
-            sh(plain + [f"run_dir={identity_dir}", f"trainer.max_steps={probe}", "optim.decay=none"], log)
-            ms_after = steady_step_ms(identity_dir)
+                raise SystemExit(f"error: {name}'s {key} changes its step at step {end}, inside the {probe}-step probe")
+            later_dir = f"{run_dir}-later-probe"
+            plain = [a for a in train if not a.lstrip("+").startswith(("run_dir=", f"{key}="))]
+            sh(plain + [f"run_dir={later_dir}", f"trainer.max_steps={probe}", "optim.decay=none"], log)
+            ms_after = steady_step_ms(later_dir)
         steps = max(probe, steps_for_budget(budget_s, steady_step_ms(run_dir), end, ms_after))
         if steps > probe:
             sh(train + [f"trainer.max_steps={steps}", "trainer.resume=auto"], log)

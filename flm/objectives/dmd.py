@@ -38,6 +38,9 @@ class DMDRegularised:
         dmd_t_mean, dmd_t_std: logit-normal time of the noised student samples (DMD and fake score).
         fake_updates: fake-score updates per student update (they alternate, the fake score first); 0 updates
             the fake score in every student step instead, at no extra student forward.
+        dmd_start: steps of the distillation alone before DMD and the fake score's updates start (as rCM trains: its
+            fake score and DMD term wait for the consistency warm-up): no DMD forwards and no fake-score steps, so
+            every step updates the student; the fake score starts from the teacher then.
         fake_lr: the fake score's learning rate (its other optimizer settings are optim.*'s).
         **kwargs: the distillation objective's (teacher, teacher_cfg_scale, ...).
     """
@@ -50,6 +53,7 @@ class DMDRegularised:
         dmd_t_std: float = 1.0,
         fake_updates: int = 1,
         fake_lr: float = 1e-4,
+        dmd_start: int = 0,
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -61,14 +65,23 @@ class DMDRegularised:
             )
         if not 0 < fake_lr < math.inf:
             raise ValueError(f"fake_lr must be a finite number > 0, got {fake_lr!r}")
+        if isinstance(dmd_start, bool) or not isinstance(dmd_start, int) or dmd_start < 0:
+            raise ValueError(
+                f"dmd_start must be an integer >= 0 (steps of distillation alone; 0: DMD from the start), got {dmd_start!r}"
+            )
+        self.dmd_start = dmd_start
         self.dmd_weight, self.dmd_t_mean, self.dmd_t_std = dmd_weight, dmd_t_mean, dmd_t_std
         self.fake_updates = fake_updates
         build = functools.partial(load_teacher, self.teacher)
         self.networks = {**self.networks, "fake_score": Network(build=build, trainable=True, optim={"lr": fake_lr})}
 
     def phase(self, step: int) -> str:
-        """The network step `step` updates: fake_updates fake-score steps, then a student step, and again."""
-        return "fake_score" if int(step) % (self.fake_updates + 1) < self.fake_updates else "model"
+        """The kind of step `step` is: "distill" (the student's distillation loss alone) before dmd_start, then
+        fake_updates fake-score steps ("fake_score"), then a student step with DMD ("model"), and again."""
+        step = int(step)
+        if step < self.dmd_start:
+            return "distill"
+        return "fake_score" if (step - self.dmd_start) % (self.fake_updates + 1) < self.fake_updates else "model"
 
     def noised(self, x_g):
         """x_s on the flow-matching path from x_g, with its time s and conditional velocity eps' - x_g."""
@@ -76,7 +89,11 @@ class DMDRegularised:
         return LinearPath().sample(x_g, torch.randn_like(x_g), s)
 
     def loss(self, model, x, y=None, *, step=0, phase=None, teacher, fake_score, ema=None):
-        if (phase or self.phase(step)) == "fake_score":
+        phase = phase or self.phase(step)
+        if phase == "distill":
+            loss, metrics = super().loss(model, x, y, step=step, teacher=teacher, ema=ema)
+            return {"model": loss}, metrics
+        if phase == "fake_score":
             with torch.no_grad():
                 x_g = self.generate(model, x, y)
             p = self.noised(x_g.float())

@@ -112,6 +112,32 @@ def test_rcm_alternates_fake_score_and_student_updates():
 
 @pytest.mark.parametrize("fake_updates", [1, 0])
 @pytest.mark.parametrize("regularised, plain", [(RCM, SCD), (MeanFlowDMD, MeanFlow)])
+def test_dmd_start_runs_the_distillation_alone_first(regularised, plain, fake_updates):
+    """Before dmd_start every step is the student's plain distillation step (no DMD, the fake score untouched); then
+    the alternation starts, counted from dmd_start."""
+    dmd = regularised(teacher="unused", dmd_weight=1.0, fake_updates=fake_updates, dmd_start=3)
+    base = plain(teacher="unused")
+    expected = ["distill"] * 3 + (["fake_score", "model"] * 2 if fake_updates else ["model"] * 4)
+    assert [dmd.phase(step) for step in range(7)] == expected
+    student, teacher = tiny_dit(time_inputs=base.time_inputs, seed=1), tiny_dit(seed=2).requires_grad_(False)
+    fake = tiny_dit(seed=3)
+    x, y = torch.randn(2, 3, 8, 8), torch.tensor([0, 1])
+    torch.manual_seed(0)
+    losses, metrics = dmd.loss(student, x, y, step=2, teacher=teacher, fake_score=fake)
+    torch.manual_seed(0)
+    base_loss, _ = base.loss(student, x, y, step=2, teacher=teacher)
+    assert list(losses) == ["model"] and "dmd" not in metrics and "fake_loss" not in metrics
+    torch.testing.assert_close(losses["model"], base_loss)
+    assert all(g is None for g in torch.autograd.grad(losses["model"], list(fake.parameters()), allow_unused=True))
+    losses, metrics = dmd.loss(student, x, y, step=4 if fake_updates else 3, teacher=teacher, fake_score=fake)
+    assert "dmd" in metrics  # the student's steps from dmd_start on carry the DMD term
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="dmd_start must be an integer >= 0"):
+            regularised(teacher="unused", dmd_start=bad)
+
+
+@pytest.mark.parametrize("fake_updates", [1, 0])
+@pytest.mark.parametrize("regularised, plain", [(RCM, SCD), (MeanFlowDMD, MeanFlow)])
 def test_the_dmd_gradient_vanishes_when_the_fake_score_is_the_teacher(regularised, plain, fake_updates):
     """grad = x_fake - x_real (normalised) is zero when both scores agree: rCM's loss is then sCD's, and
     MeanFlow + DMD's that of MeanFlow with the teacher."""

@@ -90,6 +90,7 @@ def test_the_teacher_stays_frozen_and_the_student_starts_from_it(tmp_path, teach
             ],
         ),
         ("rcm", []),
+        ("rcm", ["objective.dmd_start=2"]),
         ("meanflow_distill", []),
         ("meanflow_distill", ["objective.split_above=0.0", "objective.split_target=teacher_student"]),
         ("meanflow_distill", ["objective.one_step_frac=0.25", "objective.perceptual_weight=1.0"]),
@@ -112,10 +113,14 @@ def test_stop_and_resume_is_bit_exact_with_every_network(tmp_path, teacher, trai
     for key in set(whole) - {"config"}:
         assert_same_state(whole[key], split[key], key)
     metrics = [json.loads(line) for line in open(tmp_path / "whole" / "metrics.jsonl")]
-    if name == "rcm":  # steps 1 and 3 update the fake score, steps 2 and 4 the student
+    if name == "rcm" and not extra:  # steps 1 and 3 update the fake score, steps 2 and 4 the student
         assert ["fake_loss" in m for m in metrics] == [True, False, True, False]
         assert ["dmd" in m and "grad_norm" in m for m in metrics] == [False, True, False, True]
         assert "fake_score.grad_norm" in metrics[0]
+    if name == "rcm" and extra:  # dmd_start 2: the student alone at steps 1 and 2, then the fake score, then both
+        assert ["fake_loss" in m for m in metrics] == [False, False, True, False]
+        assert ["dmd" in m for m in metrics] == [False, False, False, True]
+        assert ["grad_norm" in m for m in metrics] == [True, True, False, True]
     if name == "meanflow_dmd":  # fake_updates 0: every step updates both networks
         assert all("fake_loss" in m and "dmd" in m and "fake_score.grad_norm" in m for m in metrics)
     if name == "meanflow_gan":  # the student and the discriminator in every step
@@ -285,6 +290,7 @@ def test_two_processes_distil_as_one(tmp_path, teacher, train_run, name, extra, 
     "name, net, extra",
     [
         ("rcm", "fake_score", []),
+        ("rcm", "fake_score", ["objective.dmd_start=2"]),  # three graphs: distill, fake_score, model
         ("rcm", "fake_score", ["objective.one_step_frac=0.25", "objective.teacher_steps=2"]),
         (
             "rcm",
