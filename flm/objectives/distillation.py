@@ -262,8 +262,8 @@ class SCD(SCM):
 class RCM(DMDRegularised, SCD):
     """rCM: sCD plus the DMD score regulariser (flm.objectives.dmd), with an online fake-score network.
 
-    Args: DMDRegularised's (dmd_weight, dmd_t_mean, dmd_t_std, fake_updates, fake_lr, dmd_start) and SCD's (teacher,
-    teacher_cfg_scale: the DMD's real score is the guided teacher too, and sCM's).
+    Args: DMDRegularised's (dmd_weight, dmd_t_mean, dmd_t_std, fake_updates, fake_lr, fake_betas, fake_weight_decay,
+    dmd_start) and SCD's (teacher, teacher_cfg_scale: the DMD's real score is the guided teacher too, and sCM's).
     """
 
     def generate(self, model, x, y):

@@ -41,7 +41,9 @@ class DMDRegularised:
         dmd_start: steps of the distillation alone before DMD and the fake score's updates start (as rCM trains: its
             fake score and DMD term wait for the consistency warm-up): no DMD forwards and no fake-score steps, so
             every step updates the student; the fake score starts from the teacher then.
-        fake_lr: the fake score's learning rate (its other optimizer settings are optim.*'s).
+        fake_lr: the fake score's learning rate.
+        fake_betas, fake_weight_decay: its AdamW's betas and weight decay; None: optim.*'s (its other settings are
+            always optim.*'s).
         **kwargs: the distillation objective's (teacher, teacher_cfg_scale, ...).
     """
 
@@ -53,6 +55,8 @@ class DMDRegularised:
         dmd_t_std: float = 1.0,
         fake_updates: int = 1,
         fake_lr: float = 1e-4,
+        fake_betas: tuple[float, float] | None = None,
+        fake_weight_decay: float | None = None,
         dmd_start: int = 0,
         **kwargs,
     ):
@@ -73,7 +77,17 @@ class DMDRegularised:
         self.dmd_weight, self.dmd_t_mean, self.dmd_t_std = dmd_weight, dmd_t_mean, dmd_t_std
         self.fake_updates = fake_updates
         build = functools.partial(load_teacher, self.teacher)
-        self.networks = {**self.networks, "fake_score": Network(build=build, trainable=True, optim={"lr": fake_lr})}
+        optim = {"lr": fake_lr}
+        if fake_betas is not None:
+            betas = tuple(fake_betas)
+            if len(betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas):
+                raise ValueError(f"fake_betas must be two numbers in [0, 1) (AdamW's betas), got {fake_betas!r}")
+            optim["betas"] = tuple(float(b) for b in betas)
+        if fake_weight_decay is not None:
+            if not 0 <= fake_weight_decay < math.inf:
+                raise ValueError(f"fake_weight_decay must be a number >= 0, got {fake_weight_decay!r}")
+            optim["weight_decay"] = float(fake_weight_decay)
+        self.networks = {**self.networks, "fake_score": Network(build=build, trainable=True, optim=optim)}
 
     def phase(self, step: int) -> str:
         """The kind of step `step` is: "distill" (the student's distillation loss alone) before dmd_start, then

@@ -90,7 +90,7 @@ def test_the_teacher_stays_frozen_and_the_student_starts_from_it(tmp_path, teach
             ],
         ),
         ("rcm", []),
-        ("rcm", ["objective.dmd_start=2"]),
+        ("rcm", ["objective.dmd_start=2", "objective.fake_betas=[0.0,0.999]", "objective.fake_weight_decay=0.01"]),
         ("meanflow_distill", []),
         ("meanflow_distill", ["objective.split_above=0.0", "objective.split_target=teacher_student"]),
         ("meanflow_distill", ["objective.one_step_frac=0.25", "objective.perceptual_weight=1.0"]),
@@ -121,6 +121,9 @@ def test_stop_and_resume_is_bit_exact_with_every_network(tmp_path, teacher, trai
         assert ["fake_loss" in m for m in metrics] == [False, False, True, False]
         assert ["dmd" in m for m in metrics] == [False, False, False, True]
         assert ["grad_norm" in m for m in metrics] == [True, True, False, True]
+        group = whole["fake_score.optimizer"]["param_groups"][0]  # its own betas and weight decay, the student's lr
+        assert tuple(group["betas"]) == (0.0, 0.999) and group["weight_decay"] == 0.01
+        assert tuple(whole["optimizer"]["param_groups"][0]["betas"]) != (0.0, 0.999)
     if name == "meanflow_dmd":  # fake_updates 0: every step updates both networks
         assert all("fake_loss" in m and "dmd" in m and "fake_score.grad_norm" in m for m in metrics)
     if name == "meanflow_gan":  # the student and the discriminator in every step
