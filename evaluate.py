@@ -9,6 +9,7 @@ statistics, per step count, and the digit classifier's label accuracy on MNIST-l
     python evaluate.py ckpt=LATENT_RUN n=50000 ref=VIRTUAL_imagenet256_labeled.npz   # ADM's reference batch
     python evaluate.py ckpt=EXPORTED_FOLDER n=10000                                 # export.py's folder
     python evaluate.py ckpt=MNIST_RUN n=1000 steps=[1,2] fid=false                   # CPU: the digit metrics alone
+    python evaluate.py ckpt=RUN 'sigma_rel=[0.05,0.07,0.1]'                          # post-hoc EMAs (flm.train.posthoc)
 
 The reference is the run's dataset (test split for MNIST and Fashion-MNIST, train for CIFAR-10), its
 statistics cached in fid_cache ($FLM_FID_CACHE, default ~/.cache/flm/fid) after the first use; a latent run's
@@ -29,7 +30,9 @@ from flm.files import write_json
 from flm.latents import decoder_of, reference_source
 from flm.cli import report_user_errors
 from flm.train.evaluation import Evaluator, check_n, parse_steps
-from flm.train.generator import load_generator, mid_t_tag, open_generator, output_base, sampler_steps
+from flm.train.export import is_export
+from flm.train.generator import generator_state, load_generator, mid_t_tag, open_generator, output_base, sampler_steps
+from flm.train.posthoc import posthoc_bundle, run_of, widths_of
 from flm.train.settings import amp_dtype
 
 
@@ -60,12 +63,19 @@ def run(cfg: DictConfig) -> dict:
         raise ValueError(f"fid must be true or false, got {cfg.fid!r}")
     bundle, path = open_generator(str(cfg.ckpt))
     run_cfg = bundle["config"]
+    emas = [cfg.ema]  # the EMAs to score, one table and JSON each
+    if cfg.sigma_rel is not None:  # post-hoc EMAs put together from the run's saved power EMAs (flm.train.posthoc)
+        if cfg.ema is not None or cfg.ema_decay is not None or cfg.weights != "ema":
+            raise ValueError("sigma_rel scores post-hoc EMAs; leave ema, ema_decay and weights at their defaults")
+        if is_export(path):
+            raise ValueError(f"sigma_rel reads a run's checkpoints; {path} is an exported folder: pass the run or a checkpoint")
+        bundle, emas = posthoc_bundle(run_of(path), widths_of(cfg.sigma_rel), step=int(bundle["step"]))
     device = dist.init(cfg.device)
     model, objective = load_generator(
         bundle,
         weights=cfg.weights,
         ema_decay=cfg.ema_decay,
-        ema=cfg.ema,
+        ema=emas[0],
         attention=cfg.attention,
         device=device,
         source=path,
@@ -77,6 +87,8 @@ def run(cfg: DictConfig) -> dict:
     run_dir, stem = output_base(path)
     mid = mid_t_tag(objective, cfg.mid_t, cfg.gamma)
     out = cfg.out or os.path.join(run_dir, "eval", f"{stem}-{cfg.weights}-cfg{cfg.cfg_scale:g}{mid}-seed{cfg.seed}-n{n}.json")
+    # several post-hoc EMAs: one JSON each, <out>-<key>.json
+    outs = {key: out if len(emas) == 1 and cfg.sigma_rel is None else f"{os.path.splitext(out)[0]}-{key}.json" for key in emas}
     evaluator = Evaluator(
         data=run_data(run_cfg, cfg.data.root),
         shape=(args["in_channels"], args["input_size"], args["input_size"]),
@@ -93,19 +105,29 @@ def run(cfg: DictConfig) -> dict:
         split=cfg.data.split,
         ref=cfg.ref,
         decoder=decoder_of(run_cfg, device, path),
-        grid=os.path.splitext(out)[0] if cfg.grid else None,
         compute_fid=cfg.fid,
     )
+    later = {key: generator_state(bundle, "ema", ema=key) for key in emas[1:]}  # the checkpoint's other parts can go
     del bundle
-    results = evaluator(model, objective)
-    if not dist.is_main():
-        return results
+    results = {}
+    for key in emas:
+        if key in later:
+            model.load_state_dict(later.pop(key))
+        evaluator.grid = os.path.splitext(outs[key])[0] if cfg.grid else None
+        results[key] = evaluator(model, objective)
+        if dist.is_main():
+            report(cfg, evaluator, results[key], path, objective, n, steps, key, outs[key])
+    return results[emas[0]] if cfg.sigma_rel is None else results
+
+
+def report(cfg, evaluator, results, path, objective, n, steps, ema, out) -> None:
+    """One EMA's numbers: a JSON at `out` and a table on the console."""
     ref = evaluator.reference  # None with fid=false
-    report = {
+    summary = {
         "checkpoint": os.path.abspath(path),
         "weights": cfg.weights,
         "ema_decay": cfg.ema_decay,
-        "ema": cfg.ema,
+        "ema": ema,
         "n": n,
         "cfg_scale": cfg.cfg_scale,
         "mid_t": list(objective.mid_t) if hasattr(objective, "mid_t") else None,
@@ -117,14 +139,13 @@ def run(cfg: DictConfig) -> dict:
         "results": results,
         "options": OmegaConf.to_container(cfg, resolve=True),
     }
-    write_json(out, report)
-    against = f" vs {report['reference']}, {ref.n or '?'} images" if ref else " (no FID)"
+    write_json(out, summary)
+    against = f" vs {summary['reference']}, {ref.n or '?'} images" if ref else " (no FID)"
     print(
-        f"{n} images per step count from {path} ({cfg.weights} weights, cfg {cfg.cfg_scale:g}){against}\n"
+        f"{n} images per step count from {path} ({ema or cfg.weights} weights, cfg {cfg.cfg_scale:g}){against}\n"
         f"{table(results, steps)}\n-> {out}",
         flush=True,
     )
-    return results
 
 
 @hydra.main(config_path="configs", config_name="evaluate", version_base="1.3")

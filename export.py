@@ -14,7 +14,6 @@ flm.train.posthoc, EDM2's post-hoc EMA). Bad input ends with one line `error: ..
 """
 
 import os
-from collections.abc import Sequence
 
 import hydra
 from omegaconf import DictConfig
@@ -22,7 +21,7 @@ from omegaconf import DictConfig
 from flm.train import checkpoint
 from flm.cli import report_user_errors
 from flm.train.export import export
-from flm.train.posthoc import posthoc_bundle
+from flm.train.posthoc import posthoc_bundle, run_of, widths_of
 
 
 def run(cfg: DictConfig) -> str:
@@ -34,9 +33,7 @@ def run(cfg: DictConfig) -> str:
     else:
         if cfg.ema is not None:
             raise ValueError(f"ema={cfg.ema} and sigma_rel={cfg.sigma_rel} both given; pass one (sigma_rel: a post-hoc EMA)")
-        run_dir = os.path.dirname(os.path.dirname(os.path.abspath(path)))  # RUN/checkpoints/ckpt-*.pt
-        widths = cfg.sigma_rel
-        widths = list(widths) if isinstance(widths, Sequence) and not isinstance(widths, str) else widths
+        run_dir, widths = run_of(path), widths_of(cfg.sigma_rel)
         bundle, keys = posthoc_bundle(run_dir, widths, step=int(checkpoint.load(path)["step"]))
         if isinstance(widths, list):  # one folder per width
             for key in keys:

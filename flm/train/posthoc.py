@@ -16,6 +16,7 @@ target's weights are then sum_i x_i theta_i.
 """
 
 import math
+import os
 
 import numpy as np
 import torch
@@ -54,6 +55,18 @@ def check_target(sigma_rel) -> float:
     if isinstance(sigma_rel, bool) or not isinstance(sigma_rel, (int, float)) or not 0 < sigma_rel < gamma_to_sigma_rel(0.0):
         raise ValueError(f"sigma_rel must be a number in (0, 0.288) (a power EMA's relative width, e.g. 0.05), got {sigma_rel!r}")
     return sigma_rel_to_gamma(float(sigma_rel))
+
+
+def widths_of(sigma_rel) -> list | float:
+    """A command line's sigma_rel: a list of widths (Hydra's ListConfig included) as a list, a single value as it is."""
+    from collections.abc import Sequence
+
+    return list(sigma_rel) if isinstance(sigma_rel, Sequence) and not isinstance(sigma_rel, str) else sigma_rel
+
+
+def run_of(checkpoint_path: str) -> str:
+    """The run folder of a checkpoint file (RUN/checkpoints/ckpt-*.pt)."""
+    return os.path.dirname(os.path.dirname(os.path.abspath(checkpoint_path)))
 
 
 def posthoc_key(sigma_rel: float) -> str:

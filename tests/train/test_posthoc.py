@@ -1,6 +1,8 @@
 """Post-hoc EMA (flm.train.posthoc): the profiles' inner products, the fit against power EMAs run step by step, and
 export.py's sigma_rel on a run."""
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -107,3 +109,25 @@ def test_bad_posthoc_inputs_are_one_line_errors(run, tmp_path, train_run):
     assert not (tmp_path / "y").exists()  # nothing written
     with pytest.raises(ValueError, match=r"step=5 is not a saved checkpoint's step; the run has \[2, 4, 6\]"):
         posthoc_bundle(str(run), 0.07, step=5)
+
+
+def test_evaluate_scores_posthoc_emas_in_one_call(run, tmp_path):
+    out = tmp_path / "eval.json"
+    common = ["n=20", "steps=[1]", "fid=false", "device=cpu", "batch_size=10"]
+    rc, stdout, err = run_script("evaluate", f"ckpt={run}", "sigma_rel=[0.07,0.1]", f"out={out}", *common)
+    assert rc == 0, err
+    assert "posthoc_sigma_rel0.07 weights" in stdout and "posthoc_sigma_rel0.1 weights" in stdout
+    scores = {w: json.loads((tmp_path / f"eval-posthoc_sigma_rel{w}.json").read_text()) for w in ("0.07", "0.1")}
+    assert scores["0.07"]["ema"] == "posthoc_sigma_rel0.07"
+    # the width the run saved comes back as the saved average: the same samples, the same numbers
+    rc, _, err = run_script("evaluate", f"ckpt={run}", "ema=sigma_rel0.1", f"out={tmp_path / 'saved.json'}", *common)
+    assert rc == 0, err
+    assert json.loads((tmp_path / "saved.json").read_text())["results"] == pytest.approx(scores["0.1"]["results"], rel=1e-4)
+    assert scores["0.07"]["results"] != scores["0.1"]["results"]
+    for args, expected in (
+        (["sigma_rel=0.07", "ema=0.9"], "sigma_rel scores post-hoc EMAs; leave ema, ema_decay and weights"),
+        (["sigma_rel=0.07", "weights=raw"], "sigma_rel scores post-hoc EMAs"),
+    ):
+        rc, _, err = run_script("evaluate", f"ckpt={run}", *args, f"out={tmp_path / 'bad.json'}", *common)
+        assert rc == 1 and len(err.strip().splitlines()) == 1 and expected in err, err
+    assert not (tmp_path / "bad.json").exists()
