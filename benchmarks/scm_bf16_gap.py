@@ -10,7 +10,11 @@ the median relative change of g under bf16 and the mean cosine between the two.
     PYTHONPATH=. python benchmarks/scm_bf16_gap.py --ckpt RUN --device cuda --n 2048
 
 The times, noise and labels are drawn as in training (the objective's proposal, with label dropout off); `--seed`
-fixes them. On the CPU, bf16 autocast runs PyTorch's CPU kernels and math attention, not the GPU's.
+fixes them. A distilled student (sCD, rCM) takes dx_t/dt from its teacher (`--teacher`, default the run's
+objective.teacher), computed once as training does (the teacher in bf16), so both precisions see the same dx_t/dt. On
+the CPU, bf16 autocast runs PyTorch's CPU kernels and math attention, not the GPU's.
+
+    PYTHONPATH=. python benchmarks/scm_bf16_gap.py --ckpt SCD_RUN [--teacher FM_RUN]
 """
 
 import argparse
@@ -19,8 +23,9 @@ import dataclasses
 import torch
 
 from flm.data import stored_data
-from flm.objectives import SCM
+from flm.objectives import SCD, SCM
 from flm.objectives.paths import lognormal_trigflow
+from flm.objectives.teacher import load_teacher
 from flm.train.generator import load_generator, open_generator
 
 EDGES = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0, 1.2, 1.4, 1.58)
@@ -34,14 +39,19 @@ def parse_args(argv=None):
     p.add_argument("--n", type=int, default=512, help="samples (one batch)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--teacher", default=None, help="a distilled student's teacher (default: the run's objective.teacher)")
     return p.parse_args(argv)
 
 
-def tangents(scm: SCM, model, x, y, seed: int, device: torch.device) -> dict:
-    """{precision: (g, its flow-matching part)} in fp32 and bf16 from the same draws, and the draws' t."""
+def tangents(scm: SCM, model, x, y, seed: int, device: torch.device, teacher=None) -> dict:
+    """{precision: (g, its flow-matching part)} in fp32 and bf16 from the same draws, and the draws' t; dx_t/dt the
+    data's, or with a teacher (a distilled student) the teacher's."""
     torch.manual_seed(seed)
     t = lognormal_trigflow(len(x), scm.p_mean, scm.p_std, scm.sigma_d, device=device)
     s = scm.path.sample(x, torch.randn_like(x), t)
+    if teacher is not None:
+        with torch.no_grad():
+            s = dataclasses.replace(s, dx_t=scm.teacher_dxdt(teacher, s.x_t, t, y).float())
     out = {"t": t}
     for precision, enabled in (("fp32", False), ("bf16", True)):
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled), torch.no_grad():
@@ -84,7 +94,10 @@ def main(argv=None) -> None:
     x, y = data.__getitems__(idx.tolist())
     x, y = x.to(device), y.to(device)
     model.eval()
-    print("\n".join(table(tangents(scm, model, x, y, args.seed, device))))
+    teacher = None
+    if isinstance(scm, SCD):
+        teacher = load_teacher(args.teacher or scm.teacher, bundle["model_args"]).to(device).eval()
+    print("\n".join(table(tangents(scm, model, x, y, args.seed, device, teacher))))
 
 
 if __name__ == "__main__":

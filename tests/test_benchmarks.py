@@ -479,6 +479,21 @@ def test_scm_bf16_gap_takes_the_tangent_of_the_loss_and_bins_by_time():
     assert counts == [int((found["t"] < 0.8).sum()), int((found["t"] >= 0.8).sum())]
 
 
+def test_scm_bf16_gap_takes_a_distilled_students_dx_dt_from_its_teacher():
+    """For sCD the tangent's dx_t/dt is the teacher's: a teacher whose flow is the data's (the point mass itself) gives
+    the data's tangent, one of another point mass another."""
+    from flm.objectives import SCD
+    from tests.objectives.toys import PointMassTrigFlow, PointMassVelocity
+
+    gap = load("scm_bf16_gap")
+    x, cpu, student = torch.full((64, 1, 2, 2), 0.7), torch.device("cpu"), PointMassTrigFlow(0.7, offset=0.3)
+    plain = gap.tangents(SCD(teacher="unused"), student, x, None, seed=0, device=cpu)
+    same = gap.tangents(SCD(teacher="unused"), student, x, None, seed=0, device=cpu, teacher=PointMassVelocity(0.7))
+    other = gap.tangents(SCD(teacher="unused"), student, x, None, seed=0, device=cpu, teacher=PointMassVelocity(-0.5))
+    torch.testing.assert_close(same["fp32"][1], plain["fp32"][1], rtol=2e-2, atol=2e-2)  # the teacher runs in bf16
+    assert (other["fp32"][1] - plain["fp32"][1]).abs().max() > 0.1
+
+
 def _run(folder, values, step0=1, metric="mse"):
     folder.mkdir()
     lines = [json.dumps({"step": step0 + i, "loss": 1.0, metric: v, "step_ms": 5.0}) for i, v in enumerate(values)]
