@@ -18,6 +18,7 @@ has its own optimizer (fake_lr) and is saved in the checkpoint; the teacher is n
 
 import functools
 import math
+from collections.abc import Sequence
 
 import torch
 
@@ -25,6 +26,23 @@ from flm.objectives.checks import check_std
 from flm.objectives.paths import LinearPath, bcast, logit_normal
 from flm.objectives.protocol import Network
 from flm.objectives.teacher import load_teacher, teacher_velocity
+
+
+def fake_score_optim(lr, betas=None, weight_decay=None) -> dict:
+    """The fake score's optimizer settings that differ from optim.*'s (None: optim.*'s), checked."""
+    if not 0 < lr < math.inf:
+        raise ValueError(f"fake_lr must be a finite number > 0, got {lr!r}")
+    optim = {"lr": lr}
+    if betas is not None:
+        betas = tuple(betas) if isinstance(betas, Sequence) and not isinstance(betas, str) else (betas,)
+        if len(betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas):
+            raise ValueError(f"fake_betas must be two numbers in [0, 1) (AdamW's betas), got {betas!r}")
+        optim["betas"] = tuple(float(b) for b in betas)
+    if weight_decay is not None:
+        if not 0 <= weight_decay < math.inf:
+            raise ValueError(f"fake_weight_decay must be a number >= 0, got {weight_decay!r}")
+        optim["weight_decay"] = float(weight_decay)
+    return optim
 
 
 class DMDRegularised:
@@ -67,8 +85,6 @@ class DMDRegularised:
                 f"DMD needs dmd_weight >= 0 and an integer fake_updates >= 0 (0: the fake score updates in the "
                 f"student's step), got {dmd_weight!r} and {fake_updates!r}"
             )
-        if not 0 < fake_lr < math.inf:
-            raise ValueError(f"fake_lr must be a finite number > 0, got {fake_lr!r}")
         if isinstance(dmd_start, bool) or not isinstance(dmd_start, int) or dmd_start < 0:
             raise ValueError(
                 f"dmd_start must be an integer >= 0 (steps of distillation alone; 0: DMD from the start), got {dmd_start!r}"
@@ -77,16 +93,7 @@ class DMDRegularised:
         self.dmd_weight, self.dmd_t_mean, self.dmd_t_std = dmd_weight, dmd_t_mean, dmd_t_std
         self.fake_updates = fake_updates
         build = functools.partial(load_teacher, self.teacher)
-        optim = {"lr": fake_lr}
-        if fake_betas is not None:
-            betas = tuple(fake_betas)
-            if len(betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas):
-                raise ValueError(f"fake_betas must be two numbers in [0, 1) (AdamW's betas), got {fake_betas!r}")
-            optim["betas"] = tuple(float(b) for b in betas)
-        if fake_weight_decay is not None:
-            if not 0 <= fake_weight_decay < math.inf:
-                raise ValueError(f"fake_weight_decay must be a number >= 0, got {fake_weight_decay!r}")
-            optim["weight_decay"] = float(fake_weight_decay)
+        optim = fake_score_optim(fake_lr, fake_betas, fake_weight_decay)
         self.networks = {**self.networks, "fake_score": Network(build=build, trainable=True, optim=optim)}
 
     def phase(self, step: int) -> str:

@@ -137,7 +137,7 @@ def test_dmd_start_runs_the_distillation_alone_first(regularised, plain, fake_up
     assert regularised(teacher="unused", fake_lr=4e-5).networks["fake_score"].optim == {"lr": 4e-5}  # optim.*'s else
     tuned = regularised(teacher="unused", fake_lr=4e-5, fake_betas=[0.0, 0.999], fake_weight_decay=0.01)
     assert tuned.networks["fake_score"].optim == {"lr": 4e-5, "betas": (0.0, 0.999), "weight_decay": 0.01}
-    for bad in ({"fake_betas": [0.9]}, {"fake_betas": [0.9, 1.0]}, {"fake_weight_decay": -0.1}):
+    for bad in ({"fake_betas": [0.9]}, {"fake_betas": [0.9, 1.0]}, {"fake_betas": 0.9}, {"fake_weight_decay": -0.1}):
         with pytest.raises(ValueError, match="fake_betas must be two numbers|fake_weight_decay must be a number"):
             regularised(teacher="unused", **bad)
 
