@@ -289,7 +289,8 @@ class SCM(Curricular, nn.Module):
         hf_weight: squared_error's, a number or one per sample, in place of self.hf_weight. velocity_target: the
         velocity head's flow-matching target (velocity_weight > 0), from the same forward as F. alpha: the consistency
         curriculum's (g from a step alpha t back, no JVP); None: the JVP's g. boundary: sCD's (weight, mask, f_target)
-        (flm.objectives.distillation.SCD.boundary): weight x the masked samples' mean ||f - f_target||^2 / D is added."""
+        (flm.objectives.distillation.SCD.boundary): weight x the masked samples' mean ||f - f_target||^2 / D is added,
+        with the same pixel-scale weight as the consistency term."""
         sigma_d = self.sigma_d
         if velocity_target is None:
             fn = lambda x_in, t_in: self.network_output(model, x_in, t_in, y)  # noqa: E731
@@ -322,7 +323,9 @@ class SCM(Curricular, nn.Module):
             metrics["velocity_mse"] = velocity_mse.detach()
         if boundary is not None:
             weight, mask, f_target = boundary
-            per_sample = (consistency_value(x_t, t, sigma_d * F) - f_target).square().flatten(1).mean(dim=1)
+            # measured as the consistency term is (its pixel-scale weight too), so hf_weight keeps their balance
+            diff = consistency_value(x_t, t, sigma_d * F) - f_target
+            per_sample = squared_error(diff, hf_weight) / diff[0].numel()
             boundary_mse = (mask * per_sample).sum() / mask.sum().clamp_min(1)
             loss = loss + weight * boundary_mse
             metrics["boundary_mse"] = boundary_mse.detach()

@@ -10,6 +10,7 @@ import torch
 
 from flm.objectives import RCM, SCD, MeanFlow, MeanFlowDMD, build_objective, distillation
 from flm.objectives.adversarial import Discriminator
+from flm.objectives.frequency import high_pass
 from flm.objectives.teacher import flow_time, trigflow_velocity
 from tests.models.tiny import plain_layers, tiny_dit, with_backend
 from tests.objectives.test_jvp_modes import SETUPS
@@ -387,6 +388,12 @@ def test_the_boundary_term_regresses_f_on_the_teachers_x_prediction_below_bounda
     _, same = scd.consistency_loss(teacher, x_t, t, dx_t, y, step=5, boundary=scd.boundary(x_t, t, dx_t))
     assert same["boundary_mse"] < 1e-10
     assert SCD(teacher="unused").boundary(x_t, t, dx_t) is None  # off by default
+    # with hf_weight the boundary is measured as the consistency term is: its pixel-scale part weighted alike
+    weighted = SCD(teacher="unused", boundary_weight=2.0, boundary_time=0.3, warmup_steps=0, hf_weight=16.0)
+    _, metrics = weighted.consistency_loss(student, x_t, t, dx_t, y, step=5, boundary=weighted.boundary(x_t, t, dx_t))
+    diff = (f - x_pred)[:2]
+    expected = (diff.square().flatten(1).sum(1) + 16.0 * high_pass(diff).square().flatten(1).sum(1)).mean() / diff[0].numel()
+    torch.testing.assert_close(metrics["boundary_mse"], expected, rtol=1e-4, atol=1e-7)
 
 
 def test_a_data_predicting_student_needs_the_boundary_term():
