@@ -87,8 +87,8 @@ def run(cfg: DictConfig) -> dict:
     run_dir, stem = output_base(path)
     mid = mid_t_tag(objective, cfg.mid_t, cfg.gamma)
     out = cfg.out or os.path.join(run_dir, "eval", f"{stem}-{cfg.weights}-cfg{cfg.cfg_scale:g}{mid}-seed{cfg.seed}-n{n}.json")
-    # several post-hoc EMAs: one JSON each, <out>-<key>.json
-    outs = {key: out if len(emas) == 1 and cfg.sigma_rel is None else f"{os.path.splitext(out)[0]}-{key}.json" for key in emas}
+    # post-hoc EMAs: one JSON each, <out>-<key>.json
+    outs = {key: out if cfg.sigma_rel is None else f"{os.path.splitext(out)[0]}-{key}.json" for key in emas}
     evaluator = Evaluator(
         data=run_data(run_cfg, cfg.data.root),
         shape=(args["in_channels"], args["input_size"], args["input_size"]),

@@ -34,7 +34,7 @@ def run(cfg: DictConfig) -> str:
         if cfg.ema is not None:
             raise ValueError(f"ema={cfg.ema} and sigma_rel={cfg.sigma_rel} both given; pass one (sigma_rel: a post-hoc EMA)")
         run_dir, widths = run_of(path), widths_of(cfg.sigma_rel)
-        bundle, keys = posthoc_bundle(run_dir, widths, step=int(checkpoint.load(path)["step"]))
+        bundle, keys = posthoc_bundle(run_dir, widths, step=checkpoint.step_of(path))
         if isinstance(widths, list):  # one folder per width
             for key in keys:
                 export(bundle, os.path.join(str(cfg.out), key), ema=key, source=run_dir)

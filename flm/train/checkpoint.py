@@ -39,10 +39,18 @@ def checkpoint_path(run_dir: str, step: int) -> str:
     return os.path.join(checkpoint_dir(run_dir), f"ckpt-{step:08d}.pt")
 
 
+def step_of(path: str) -> int:
+    """The step in a checkpoint's file name (ckpt-<step>.pt, as checkpoint_path writes it)."""
+    found = _NAME.search(path)
+    if found is None:
+        raise ValueError(f"{path!r} is not named ckpt-<step>.pt; pass a run folder or one of its checkpoints/ files")
+    return int(found.group(1))
+
+
 def list_checkpoints(run_dir: str) -> list[str]:
     """Complete checkpoints of a run, oldest first (temporary files of an interrupted write are ignored)."""
     paths = [p for p in glob.glob(os.path.join(checkpoint_dir(run_dir), "ckpt-*.pt")) if _NAME.search(p)]
-    return sorted(paths, key=lambda p: int(_NAME.search(p).group(1)))
+    return sorted(paths, key=step_of)
 
 
 def find_checkpoint(path: str) -> str:

@@ -92,9 +92,9 @@ def _buffer_names(bundle: dict) -> set[str]:
 def posthoc_bundle(run_dir: str, sigma_rels, step: int | None = None, log=print) -> tuple[dict, list[str]]:
     """(bundle, keys): the checkpoint at the target step (default the run's last) with one more EMA per width in
     `sigma_rels` (a number or a list), each the power EMA of that width put together from the run's saved power EMAs
-    at or before that step. Reads each checkpoint twice (once for its step and widths, once for its weights), one at a
-    time, for all widths together; the weights are summed in float64, the model's buffers taken from the last
-    checkpoint."""
+    at or before that step. The steps come from the checkpoints' names and the power EMAs from the target's (a run
+    keeps one set of EMAs: a resume refuses another), so each checkpoint is read once, for all widths together; the
+    weights are summed in float64, the model's buffers taken from the target checkpoint."""
     widths = list(sigma_rels) if isinstance(sigma_rels, (list, tuple)) else [sigma_rels]
     if not widths:
         raise ValueError("sigma_rel is an empty list; pass a width (0.07) or a list of them ([0.05,0.07])")
@@ -102,16 +102,14 @@ def posthoc_bundle(run_dir: str, sigma_rels, step: int | None = None, log=print)
     paths = checkpoint.list_checkpoints(run_dir)
     if not paths:
         raise FileNotFoundError(f"no checkpoint in {run_dir!r}; post-hoc EMA reads a run folder's checkpoints/")
-    saved = {}  # path -> (its step, its power EMAs)
-    for path in paths:
-        bundle = checkpoint.load(path)
-        saved[path] = (int(bundle["step"]), power_emas(bundle))
-    steps = sorted(t for t, _ in saved.values())
+    steps = [checkpoint.step_of(p) for p in paths]
     step = steps[-1] if step is None else step
     if isinstance(step, bool) or step not in steps:
         raise ValueError(f"step={step!r} is not a saved checkpoint's step; the run has {steps}")
-    paths = [p for p in paths if saved[p][0] <= step]
-    found = [(path, key, saved[path][0], g) for path in paths for key, g in saved[path][1]]  # (path, key, step, gamma)
+    paths = [p for p in paths if checkpoint.step_of(p) <= step]
+    last = checkpoint.load(paths[-1])
+    # (path, key, step, gamma) of every saved power EMA
+    found = [(path, key, checkpoint.step_of(path), g) for path in paths for key, g in power_emas(last)]
     if len(found) < 2:
         raise ValueError(
             f"{run_dir!r} holds {len(found)} power EMA snapshot(s) up to step {step}; post-hoc EMA needs two or more: "
@@ -119,7 +117,6 @@ def posthoc_bundle(run_dir: str, sigma_rels, step: int | None = None, log=print)
             f"trainer.keep_last=0)"
         )
     fits = [posthoc_coefficients([(t, g) for _, _, t, g in found], (step, gamma)) for gamma in gammas]
-    last = checkpoint.load(paths[-1])
     buffers, totals = _buffer_names(last), [{} for _ in widths]
     for path in paths:
         bundle = last if path == paths[-1] else checkpoint.load(path)
