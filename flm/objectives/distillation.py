@@ -46,7 +46,13 @@ import math
 
 import torch
 
-from flm.objectives.checks import check_hf_weight_one_step, check_sampler_shares, check_target_ema, check_teacher_steps
+from flm.objectives.checks import (
+    check_hf_weight_one_step,
+    check_probability,
+    check_sampler_shares,
+    check_target_ema,
+    check_teacher_steps,
+)
 from flm.objectives.consistency import SCM, consistency_value
 from flm.objectives.dmd import DMDRegularised
 from flm.objectives.frequency import first_k_hf_weight
@@ -262,10 +268,33 @@ class SCD(SCM):
 class RCM(DMDRegularised, SCD):
     """rCM: sCD plus the DMD score regulariser (flm.objectives.dmd), with an online fake-score network.
 
-    Args: DMDRegularised's (dmd_weight, dmd_t_mean, dmd_t_std, fake_updates, fake_lr, fake_betas, fake_weight_decay,
-    dmd_start) and SCD's (teacher, teacher_cfg_scale: the DMD's real score is the guided teacher too, and sCM's).
+    Args:
+        dmd_two_step_frac: the share of the generated samples (DMD's and the fake score's) that the 2-step sampler
+            draws, the batch's first round(frac B): the jump from t_max without gradient, fresh noise to mid_t[0], then
+            the jump from there with it (DMD2's backward simulation). DMD then matches the distribution the 2-step FID
+            is taken on too; 0 (the default): every sample one step.
+        DMDRegularised's (dmd_weight, dmd_t_mean, dmd_t_std, fake_updates, fake_lr, fake_betas, fake_weight_decay,
+        dmd_start) and SCD's (teacher, teacher_cfg_scale: the DMD's real score is the guided teacher too, and sCM's).
     """
 
+    def __init__(self, *, dmd_two_step_frac: float = 0.0, **kwargs):
+        super().__init__(**kwargs)
+        check_probability("dmd_two_step_frac", dmd_two_step_frac)
+        self.dmd_two_step_frac = dmd_two_step_frac
+
     def generate(self, model, x, y):
-        """The student's one-step samples x_g = f(sigma_d eps, t_max), with the model's gradient."""
-        return self.consistency_fn(model, self.sigma_d * torch.randn_like(x), self.t_max, y)
+        """The student's samples x_g, with the model's gradient in their last jump: f(sigma_d eps, t_max), and for the
+        first round(dmd_two_step_frac B) f(cos m x0 + sin m sigma_d eps', m) after x0 = sg(f(sigma_d eps, t_max)),
+        m = mid_t[0]. One network call with the gradient either way: fixed shapes (a CUDA graph replays it)."""
+        eps = self.sigma_d * torch.randn_like(x)
+        k = round(self.dmd_two_step_frac * len(x))
+        if not k:
+            return self.consistency_fn(model, eps, self.t_max, y)
+        mid = self.mid_t[0]
+        with torch.no_grad():
+            x0 = self.consistency_fn(model, eps[:k], self.t_max, None if y is None else y[:k])
+        x_mid = math.cos(mid) * x0 + math.sin(mid) * self.sigma_d * torch.randn_like(x0)
+        x_in = torch.cat([x_mid.to(eps.dtype), eps[k:]])
+        t = torch.full((len(x),), self.t_max, device=x.device)
+        t[:k] = mid  # from a python float: no host-to-device copy inside a capture
+        return consistency_value(x_in, t, self.sigma_d * self.network_output(model, x_in / self.sigma_d, t, y))

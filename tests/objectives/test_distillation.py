@@ -177,6 +177,25 @@ def test_fake_updates_0_trains_the_fake_score_in_the_students_step(regularised):
             assert all(g is None for g in other_grads), name
 
 
+@pytest.mark.parametrize("frac, k", [(0.0, 0), (0.5, 2), (1.0, 4)])
+def test_rcms_generator_draws_its_first_share_with_the_two_step_sampler(frac, k):
+    """The first round(dmd_two_step_frac B) samples are the 2-step sampler's (fresh noise at mid_t), the rest the
+    1-step sampler's, from the same noises; the gradient reaches the student through the last jump only."""
+    objective = RCM(teacher="unused", dmd_two_step_frac=frac)
+    student = tiny_dit(time_inputs=objective.time_inputs, seed=1)
+    x, y = torch.randn(4, 3, 8, 8), torch.tensor([0, 1, 2, 3])
+    torch.manual_seed(0)
+    x_g = objective.generate(student, x, y)
+    torch.manual_seed(0)
+    noise = torch.randn_like(x)
+    two = objective.sample(student, noise[:k], y[:k], steps=2)  # its re-noising draws next, as generate's
+    one = objective.sample(student, noise[k:], y[k:], steps=1)
+    torch.testing.assert_close(x_g.detach(), torch.cat([two, one]))
+    assert x_g.requires_grad
+    with pytest.raises(ValueError, match="dmd_two_step_frac must be a probability"):
+        RCM(teacher="unused", dmd_two_step_frac=1.5)
+
+
 def test_the_meanflow_students_generator_is_its_one_step_sampler():
     objective = MeanFlowDMD(teacher="unused")
     student, x, y = tiny_dit(time_inputs=2, seed=1), torch.randn(2, 3, 8, 8), torch.tensor([0, 1])
