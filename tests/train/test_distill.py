@@ -294,6 +294,7 @@ def test_two_processes_distil_as_one(tmp_path, teacher, train_run, name, extra, 
     [
         ("rcm", "fake_score", []),
         ("rcm", "fake_score", ["objective.dmd_start=2"]),  # three graphs: distill, fake_score, model
+        ("rcm", "fake_score", ["objective.dmd_two_step_frac=0.5"]),  # a no-grad jump inside both graphs
         ("rcm", "fake_score", ["objective.one_step_frac=0.25", "objective.teacher_steps=2"]),
         (
             "rcm",
