@@ -280,6 +280,11 @@ class RCM(DMDRegularised, SCD):
     def __init__(self, *, dmd_two_step_frac: float = 0.0, **kwargs):
         super().__init__(**kwargs)
         check_probability("dmd_two_step_frac", dmd_two_step_frac)
+        if dmd_two_step_frac and not self.mid_t:
+            raise ValueError(
+                "dmd_two_step_frac > 0 draws samples with the 2-step sampler, which needs its intermediate time: set "
+                "objective.mid_t=[t] (a TrigFlow time in (0, t_max)) or objective.dmd_two_step_frac=0"
+            )
         self.dmd_two_step_frac = dmd_two_step_frac
 
     def generate(self, model, x, y):

@@ -194,6 +194,8 @@ def test_rcms_generator_draws_its_first_share_with_the_two_step_sampler(frac, k)
     assert x_g.requires_grad
     with pytest.raises(ValueError, match="dmd_two_step_frac must be a probability"):
         RCM(teacher="unused", dmd_two_step_frac=1.5)
+    with pytest.raises(ValueError, match="needs its intermediate time"):
+        RCM(teacher="unused", dmd_two_step_frac=0.5, mid_t=())
 
 
 def test_the_meanflow_students_generator_is_its_one_step_sampler():
