@@ -17,6 +17,7 @@ target's weights are then sum_i x_i theta_i.
 
 import math
 import os
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -59,8 +60,6 @@ def check_target(sigma_rel) -> float:
 
 def widths_of(sigma_rel) -> list | float:
     """A command line's sigma_rel: a list of widths (Hydra's ListConfig included) as a list, a single value as it is."""
-    from collections.abc import Sequence
-
     return list(sigma_rel) if isinstance(sigma_rel, Sequence) and not isinstance(sigma_rel, str) else sigma_rel
 
 
@@ -95,7 +94,8 @@ def posthoc_bundle(run_dir: str, sigma_rels, step: int | None = None, log=print)
     at or before that step. The steps come from the checkpoints' names and the power EMAs from the target's (a run
     keeps one set of EMAs: a resume refuses another), so each checkpoint is read once, for all widths together; the
     weights are summed in float64, the model's buffers taken from the target checkpoint."""
-    widths = list(sigma_rels) if isinstance(sigma_rels, (list, tuple)) else [sigma_rels]
+    widths = widths_of(sigma_rels)
+    widths = widths if isinstance(widths, list) else [widths]
     if not widths:
         raise ValueError("sigma_rel is an empty list; pass a width (0.07) or a list of them ([0.05,0.07])")
     gammas = [check_target(w) for w in widths]
@@ -106,7 +106,7 @@ def posthoc_bundle(run_dir: str, sigma_rels, step: int | None = None, log=print)
     step = steps[-1] if step is None else step
     if isinstance(step, bool) or step not in steps:
         raise ValueError(f"step={step!r} is not a saved checkpoint's step; the run has {steps}")
-    paths = [p for p in paths if checkpoint.step_of(p) <= step]
+    paths = [p for p, s in zip(paths, steps) if s <= step]
     last = checkpoint.load(paths[-1])
     # (path, key, step, gamma) of every saved power EMA
     found = [(path, key, checkpoint.step_of(path), g) for path in paths for key, g in power_emas(last)]
