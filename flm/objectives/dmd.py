@@ -9,7 +9,7 @@ On the student's one-step samples x_g (its `generate`, with the model's gradient
     grad = (x_fake - x_real) / mean|x_g - x_real|                                   (DMD's normalisation)
     L_dmd = ||x_g - sg(x_g - grad)||^2 / (2 D),   whose gradient in x_g is grad / D
 
-added to the student's loss times dmd_weight. The fake score (the teacher at the start) learns the
+added to the student's loss times dmd_weight (the distillation loss itself times distill_weight). The fake score (the teacher at the start) learns the
 student's distribution by flow matching on sg(x_g): ||v_fake(x_s, s) - (eps' - x_g)||^2, either in steps of
 its own (`fake_updates` >= 1 of them, then one student step: `phase`) or, with fake_updates = 0, in the
 student's step itself, from the same forward pass at x_s whose value the DMD gradient uses. The fake score
@@ -59,6 +59,9 @@ class DMDRegularised:
         dmd_start: steps of the distillation alone before DMD and the fake score's updates start (as rCM trains: its
             fake score and DMD term wait for the consistency warm-up): no DMD forwards and no fake-score steps, so
             every step updates the student; the fake score starts from the teacher then.
+        distill_weight: the distillation loss's weight in the student's steps with DMD (those before dmd_start take
+            it whole). 0: DMD alone from then on (DMD2's student, warm-started by the distillation before dmd_start),
+            whose steps skip the distillation loss's passes (sCD's JVP, MeanFlow's).
         fake_lr: the fake score's learning rate.
         fake_betas, fake_weight_decay: its AdamW's betas and weight decay; None: optim.*'s (its other settings are
             always optim.*'s).
@@ -76,6 +79,7 @@ class DMDRegularised:
         fake_betas: tuple[float, float] | None = None,
         fake_weight_decay: float | None = None,
         dmd_start: int = 0,
+        distill_weight: float = 1.0,
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -89,7 +93,12 @@ class DMDRegularised:
             raise ValueError(
                 f"dmd_start must be an integer >= 0 (steps of distillation alone; 0: DMD from the start), got {dmd_start!r}"
             )
-        self.dmd_start = dmd_start
+        if not 0 <= distill_weight < math.inf or not (distill_weight or dmd_weight):
+            raise ValueError(
+                f"distill_weight must be a finite weight >= 0 (0: DMD alone after dmd_start), and it and dmd_weight "
+                f"cannot both be 0 (nothing would train the student), got {distill_weight!r} and {dmd_weight!r}"
+            )
+        self.dmd_start, self.distill_weight = dmd_start, distill_weight
         self.dmd_weight, self.dmd_t_mean, self.dmd_t_std = dmd_weight, dmd_t_mean, dmd_t_std
         self.fake_updates = fake_updates
         build = functools.partial(load_teacher, self.teacher)
@@ -121,7 +130,11 @@ class DMDRegularised:
             fake_loss = (fake_score(p.x_t, p.t, None, y).float() - p.dx_t).square().mean()
             return {"fake_score": fake_loss}, {"fake_loss": fake_loss.detach()}
 
-        student_loss, metrics = super().loss(model, x, y, step=step, teacher=teacher, ema=ema)
+        student_loss, metrics = 0.0, {}
+        if self.distill_weight:  # 0: DMD alone, without the distillation loss's passes
+            student_loss, metrics = super().loss(model, x, y, step=step, teacher=teacher, ema=ema)
+            if self.distill_weight != 1:
+                student_loss = self.distill_weight * student_loss
         x_g = self.generate(model, x, y).float()
         p = self.noised(x_g.detach())
         s = bcast(p.t, x_g)

@@ -177,6 +177,34 @@ def test_fake_updates_0_trains_the_fake_score_in_the_students_step(regularised):
             assert all(g is None for g in other_grads), name
 
 
+@pytest.mark.parametrize("regularised, plain", [(RCM, SCD), (MeanFlowDMD, MeanFlow)])
+def test_distill_weight_scales_the_distillation_loss_and_0_leaves_dmd_alone(regularised, plain):
+    """In the steps with DMD the distillation loss counts distill_weight times; at 0 it is not computed at all (the
+    teacher runs once, for DMD's real score) and the student learns from DMD alone."""
+    base = plain(teacher="unused")  # built before the seed: building draws random numbers
+    student = tiny_dit(time_inputs=base.time_inputs, seed=1)
+    teacher, fake = tiny_dit(seed=2).requires_grad_(False), tiny_dit(seed=3)
+    x, y = torch.randn(2, 3, 8, 8), torch.tensor([0, 1])
+
+    def student_loss(distill_weight):
+        dmd = regularised(teacher="unused", dmd_weight=1.0, fake_updates=1, distill_weight=distill_weight)
+        torch.manual_seed(0)
+        return dmd.loss(student, x, y, step=1, teacher=teacher, fake_score=fake)
+
+    torch.manual_seed(0)
+    distill, _ = base.loss(student, x, y, step=1, teacher=teacher)
+    whole, half = student_loss(1.0)[0]["model"], student_loss(0.5)[0]["model"]
+    torch.testing.assert_close(half, whole - 0.5 * distill)
+    calls = []
+    hook = teacher.register_forward_hook(lambda *args: calls.append(1))
+    losses, metrics = student_loss(0.0)
+    hook.remove()
+    assert len(calls) == 1 and "mse" not in metrics and metrics["dmd"] > 0
+    torch.testing.assert_close(losses["model"], metrics["dmd"])
+    grads = torch.autograd.grad(losses["model"], list(student.parameters()), allow_unused=True)
+    assert any(g is not None and g.abs().sum() > 0 for g in grads)
+
+
 @pytest.mark.parametrize("frac, k", [(0.0, 0), (0.5, 2), (1.0, 4)])
 def test_rcms_generator_draws_its_first_share_with_the_two_step_sampler(frac, k):
     """The first round(dmd_two_step_frac B) samples are the 2-step sampler's (fresh noise at mid_t), the rest the
@@ -232,6 +260,9 @@ def test_meanflow_with_a_teacher_regresses_on_the_teachers_velocity():
         ({"teacher": "t", "fake_updates": -1}, "fake_updates >= 0"),
         ({"teacher": "t", "dmd_weight": -1.0}, "dmd_weight >= 0"),
         ({"teacher": "t", "fake_lr": 0.0}, "fake_lr must be"),
+        ({"teacher": "t", "distill_weight": -1.0}, "distill_weight must be a finite weight"),
+        ({"teacher": "t", "distill_weight": float("inf")}, "distill_weight must be a finite weight"),
+        ({"teacher": "t", "distill_weight": 0.0, "dmd_weight": 0.0}, "cannot both be 0"),
     ],
 )
 @pytest.mark.parametrize("regularised", [RCM, MeanFlowDMD])

@@ -92,6 +92,7 @@ def test_the_teacher_stays_frozen_and_the_student_starts_from_it(tmp_path, teach
         ("rcm", []),
         ("rcm", ["objective.dmd_two_step_frac=0.5"]),
         ("rcm", ["objective.dmd_start=2", "objective.fake_betas=[0.0,0.999]", "objective.fake_weight_decay=0.01"]),
+        ("rcm", ["objective.dmd_start=2", "objective.distill_weight=0"]),
         ("meanflow_distill", []),
         ("meanflow_distill", ["objective.split_above=0.0", "objective.split_target=teacher_student"]),
         ("meanflow_distill", ["objective.one_step_frac=0.25", "objective.perceptual_weight=1.0"]),
@@ -123,6 +124,9 @@ def test_stop_and_resume_is_bit_exact_with_every_network(tmp_path, teacher, trai
         assert ["fake_loss" in m for m in metrics] == [False, False, True, False]
         assert ["dmd" in m for m in metrics] == [False, False, False, True]
         assert ["grad_norm" in m for m in metrics] == [True, True, False, True]
+        alone = "objective.distill_weight=0" in extra  # DMD alone in the student's steps: no sCD loss there
+        assert ["mse" in m for m in metrics] == [True, True, False, not alone]
+    if name == "rcm" and "objective.fake_weight_decay=0.01" in extra:
         group = whole["fake_score.optimizer"]["param_groups"][0]  # its own betas and weight decay, the student's lr
         assert tuple(group["betas"]) == (0.0, 0.999) and group["weight_decay"] == 0.01
         assert tuple(whole["optimizer"]["param_groups"][0]["betas"]) != (0.0, 0.999)
@@ -296,6 +300,7 @@ def test_two_processes_distil_as_one(tmp_path, teacher, train_run, name, extra, 
     [
         ("rcm", "fake_score", []),
         ("rcm", "fake_score", ["objective.dmd_start=2"]),  # three graphs: distill, fake_score, model
+        ("rcm", "fake_score", ["objective.dmd_start=2", "objective.distill_weight=0"]),  # DMD alone after sCD
         ("rcm", "fake_score", ["objective.dmd_two_step_frac=0.5"]),  # a no-grad jump inside both graphs
         ("rcm", "fake_score", ["objective.one_step_frac=0.25", "objective.teacher_steps=2"]),
         (
