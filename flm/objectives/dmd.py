@@ -9,8 +9,9 @@ On the student's one-step samples x_g (its `generate`, with the model's gradient
     grad = (x_fake - x_real) / mean|x_g - x_real|                                   (DMD's normalisation)
     L_dmd = ||x_g - sg(x_g - grad)||^2 / (2 D),   whose gradient in x_g is grad / D
 
-added to the student's loss times dmd_weight (the distillation loss itself times distill_weight). The fake score (the teacher at the start) learns the
-student's distribution by flow matching on sg(x_g): ||v_fake(x_s, s) - (eps' - x_g)||^2, either in steps of
+added to the student's loss times dmd_weight (the distillation loss itself times distill_weight). The fake
+score (the teacher at the start) learns the student's distribution by flow matching on sg(x_g):
+||v_fake(x_s, s) - (eps' - x_g)||^2, either in steps of
 its own (`fake_updates` >= 1 of them, then one student step: `phase`) or, with fake_updates = 0, in the
 student's step itself, from the same forward pass at x_s whose value the DMD gradient uses. The fake score
 has its own optimizer (fake_lr) and is saved in the checkpoint; the teacher is not.
