@@ -354,6 +354,26 @@ def test_flow_map_error_against_exact_straight_flows():
     assert mse["teacher", 1] == pytest.approx(0, abs=1e-10) and mse["teacher", 2] == pytest.approx(0, abs=1e-10)
 
 
+def test_dmd_precision_takes_dmds_gradient_from_both_scores():
+    """Point-mass scores: x_real = a and x_fake = a - s c, so the gradient is -s c / mean|x_g - a| per sample, in either
+    precision, and exactly 0 when the fake score is the teacher."""
+    from flm.objectives import RCM
+    from flm.objectives.paths import LinearPath
+    from tests.objectives.toys import PointMassVelocity
+
+    dmd_precision = load("dmd_precision")
+    a, c = 0.7, 0.3
+    x_g, s = torch.randn(4, 1, 2, 2), torch.tensor([0.1, 0.4, 0.6, 0.9])
+    p = LinearPath().sample(x_g, torch.randn_like(x_g), s)
+    teacher, objective = PointMassVelocity(a), RCM(teacher="unused")
+    expected = (-s * c / (x_g - a).abs().flatten(1).mean(1)).view(-1, 1, 1, 1).expand_as(x_g)
+    for autocast in (False, True):
+        with torch.no_grad():
+            g = dmd_precision.gradient(objective, teacher, PointMassVelocity(a, offset=c), p, x_g, None, autocast)
+            torch.testing.assert_close(g, expected)
+            assert dmd_precision.gradient(objective, teacher, teacher, p, x_g, None, autocast).abs().max() == 0
+
+
 def test_fid_sanity_perturbations_damage_by_the_stated_amounts():
     """Clean first; the noise rows add noise of the stated std (clamped to [-1, 1]), the high-passed rows less; the
     blur leaves a flat image alone."""

@@ -46,6 +46,11 @@ def fake_score_optim(lr, betas=None, weight_decay=None) -> dict:
     return optim
 
 
+def dmd_gradient(x_g: torch.Tensor, x_real: torch.Tensor, x_fake: torch.Tensor) -> torch.Tensor:
+    """DMD's gradient in the samples x_g: (x_fake - x_real) over each sample's mean |x_g - x_real| (no gradient)."""
+    return (x_fake - x_real) / bcast((x_g.detach() - x_real).abs().flatten(1).mean(1), x_g)
+
+
 class DMDRegularised:
     """Mixin before a distillation objective (one with a `teacher` network and a loss(model, x, y, *, step,
     teacher)): adds the DMD term, the fake-score network and the alternation. The class that mixes it in
@@ -144,7 +149,7 @@ class DMDRegularised:
         with torch.set_grad_enabled(self.fake_updates == 0):  # fake_updates 0: this forward trains it too
             v_fake = fake_score(p.x_t, p.t, None, y).float()
         x_fake = p.x_t - s * v_fake.detach()
-        grad = (x_fake - x_real) / bcast((x_g.detach() - x_real).abs().flatten(1).mean(1), x_g)
+        grad = dmd_gradient(x_g, x_real, x_fake)
         dmd = 0.5 * (x_g - (x_g - grad).detach()).square().mean()
         loss = student_loss + self.dmd_weight * dmd
         losses, metrics = {"model": loss}, {**metrics, "loss": loss.detach(), "dmd": dmd.detach()}
