@@ -10,6 +10,7 @@ The student's samples come from its raw weights (those DMD trains); noise, label
 """
 
 import argparse
+import copy
 
 import torch
 
@@ -49,9 +50,8 @@ def main(argv=None):
     model, objective = load_generator(bundle, weights="raw", device=device, source=path)
     student_args = {**bundle["model_args"], "attention": "auto"}
     teacher = load_teacher(objective.teacher, student_args).to(device).eval()
-    fake = load_teacher(objective.teacher, student_args)  # the fake score's architecture, then its own weights
+    fake = copy.deepcopy(teacher)  # the fake score has the teacher's architecture, and its own weights
     fake.load_state_dict(bundle["fake_score"])
-    fake = fake.to(device).eval()
     torch.manual_seed(args.seed)
     y = class_labels(args.n, num_classes(model))
     y = None if y is None else y.to(device)
