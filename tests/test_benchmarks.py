@@ -374,6 +374,13 @@ def test_dmd_precision_takes_dmds_gradient_from_both_scores():
             assert dmd_precision.gradient(objective, teacher, teacher, p, x_g, None, autocast).abs().max() == 0
 
 
+def test_dmd_precision_refuses_a_run_without_a_fake_score(monkeypatch):
+    dmd_precision = load("dmd_precision")
+    monkeypatch.setattr(dmd_precision, "open_generator", lambda ckpt: ({"model": {}}, "runs/scd/ckpt.pt"))
+    with pytest.raises(SystemExit, match="runs/scd/ckpt.pt holds no fake score; pass an rCM or MeanFlow \\+ DMD run"):
+        dmd_precision.main(["--ckpt", "runs/scd", "--device", "cpu"])
+
+
 def test_fid_sanity_perturbations_damage_by_the_stated_amounts():
     """Clean first; the noise rows add noise of the stated std (clamped to [-1, 1]), the high-passed rows less; the
     blur leaves a flat image alone."""
