@@ -353,8 +353,8 @@ def report(results: dict, path: str) -> None:
                 if "fid_steps50" in e["results"]:
                     base[r["device"]] = min(base.get(r["device"], math.inf), e["results"]["fid_steps50"])
     for r in results.values():
-        teacher = teacher_run(r, results)
-        with_teacher = f"{r['gpu_s'] + teacher['gpu_s']:.0f}" if teacher else "-"
+        teacher_s = r.get("teacher_gpu_s") or (teacher_run(r, results) or {}).get("gpu_s")  # as recorded, else by name
+        with_teacher = f"{r['gpu_s'] + teacher_s:.0f}" if teacher_s else "-"
         step_ms, gpu_s = shared(r, f"{r['step_ms']:.1f}"), shared(r, f"{r['gpu_s']:.0f}")
         for weights, report in evaluations(r).items():
             found = report["results"]
@@ -510,6 +510,7 @@ def main() -> None:
                     f.cancel()
                 raise
             entry["teacher_fid50"] = teacher_fid50(entry, results)  # the teacher as it is now, not a later namesake
+            entry["teacher_gpu_s"] = (teacher_run(entry, results) or {}).get("gpu_s")
             results[entry["name"]] = entry  # written as each run ends: a later failure keeps the earlier results
             with open(results_path, "w") as f:
                 json.dump(results, f, indent=1)

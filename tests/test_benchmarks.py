@@ -116,6 +116,10 @@ def test_a_students_fid_is_divided_by_its_own_teachers_as_recorded_when_it_ran(t
     quality.report(json.loads(json.dumps(results)), tmp_path / "q.md")
     rows = [line for line in (tmp_path / "q.md").read_text().splitlines() if line.startswith("| s ")]
     assert [row.split("|")[-3].strip() for row in rows] == ["3.00", "1.50"]  # 12 / 4 and 6 / 4: the teacher it had
+    results["s"]["teacher_gpu_s"] = 150.0  # the teacher's GPU s recorded with the student wins over a later namesake's
+    quality.report(json.loads(json.dumps(results)), tmp_path / "q.md")
+    rows = [line for line in (tmp_path / "q.md").read_text().splitlines() if line.startswith("| s ")]
+    assert all(row.split("|")[7].strip() == f"{results['s']['gpu_s'] + 150:.0f}" for row in rows)
 
 
 def test_extra_sampler_steps_are_scored_and_reported_beside_the_objectives_own(tmp_path):
