@@ -10,6 +10,7 @@ statistics, per step count, and the digit classifier's label accuracy on MNIST-l
     python evaluate.py ckpt=EXPORTED_FOLDER n=10000                                 # export.py's folder
     python evaluate.py ckpt=MNIST_RUN n=1000 steps=[1,2] fid=false                   # CPU: the digit metrics alone
     python evaluate.py ckpt=RUN 'sigma_rel=[0.05,0.07,0.1]'                          # post-hoc EMAs (flm.train.posthoc)
+    python evaluate.py ckpt=SCD_RUN steps=2 'mid_t=[[1.2],[1.1],[1.0]]' 'gamma=[1,0.5]'  # samplers swept in one call
 
 The reference is the run's dataset (test split for MNIST and Fashion-MNIST, train for CIFAR-10), its
 statistics cached in fid_cache ($FLM_FID_CACHE, default ~/.cache/flm/fid) after the first use; a latent run's
@@ -31,7 +32,16 @@ from flm.latents import decoder_of, reference_source
 from flm.cli import report_user_errors
 from flm.train.evaluation import Evaluator, check_n, parse_steps
 from flm.train.export import is_export
-from flm.train.generator import generator_state, load_generator, mid_t_tag, open_generator, output_base, sampler_steps
+from flm.train.generator import (
+    build_objective_from,
+    generator_state,
+    load_generator,
+    mid_t_tag,
+    open_generator,
+    output_base,
+    sampler_steps,
+    sampler_variants,
+)
 from flm.train.posthoc import posthoc_bundle, run_of, widths_of
 from flm.train.settings import amp_dtype
 
@@ -57,6 +67,11 @@ def table(results: dict, steps: list[int]) -> str:
     return "\n".join(lines)
 
 
+def to_plain(value):
+    """A config value as plain Python (Hydra's lists as lists)."""
+    return OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
+
+
 def run(cfg: DictConfig) -> dict:
     n = check_n(cfg.n)
     if not isinstance(cfg.fid, bool):
@@ -70,6 +85,7 @@ def run(cfg: DictConfig) -> dict:
         if is_export(path):
             raise ValueError(f"sigma_rel reads a run's checkpoints; {path} is an exported folder: pass the run or a checkpoint")
         bundle, emas = posthoc_bundle(run_of(path), widths_of(cfg.sigma_rel), step=int(bundle["step"]))
+    samplers = sampler_variants(to_plain(cfg.mid_t), to_plain(cfg.gamma))  # one, or a sweep scored in turn
     device = dist.init(cfg.device)
     model, objective = load_generator(
         bundle,
@@ -79,16 +95,22 @@ def run(cfg: DictConfig) -> dict:
         attention=cfg.attention,
         device=device,
         source=path,
-        mid_t=cfg.mid_t,
-        gamma=cfg.gamma,
+        mid_t=samplers[0][0],
+        gamma=samplers[0][1],
     )
+    objectives = [objective, *(build_objective_from(bundle, path, m, g).to(device) for m, g in samplers[1:])]
     steps = parse_steps(cfg.steps if cfg.steps is not None else sampler_steps(bundle, objective, path))
     args = bundle["model_args"]
     run_dir, stem = output_base(path)
-    mid = mid_t_tag(objective, cfg.mid_t, cfg.gamma)
-    out = cfg.out or os.path.join(run_dir, "eval", f"{stem}-{cfg.weights}-cfg{cfg.cfg_scale:g}{mid}-seed{cfg.seed}-n{n}.json")
-    # post-hoc EMAs: one JSON each, <out>-<key>.json
-    outs = {key: out if cfg.sigma_rel is None else f"{os.path.splitext(out)[0]}-{key}.json" for key in emas}
+    tags = [mid_t_tag(o, m, g) for o, (m, g) in zip(objectives, samplers)]
+
+    def out_of(key, tag: str) -> str:
+        # a sweep's given out gets each sampler's tag, and post-hoc EMAs one JSON each: <out>-<key>.json
+        out = cfg.out or os.path.join(run_dir, "eval", f"{stem}-{cfg.weights}-cfg{cfg.cfg_scale:g}{tag}-seed{cfg.seed}-n{n}.json")
+        if cfg.out and len(samplers) > 1:
+            out = f"{os.path.splitext(out)[0]}{tag}.json"
+        return out if cfg.sigma_rel is None else f"{os.path.splitext(out)[0]}-{key}.json"
+
     evaluator = Evaluator(
         data=run_data(run_cfg, cfg.data.root),
         shape=(args["in_channels"], args["input_size"], args["input_size"]),
@@ -113,11 +135,18 @@ def run(cfg: DictConfig) -> dict:
     for key in emas:
         if key in later:
             model.load_state_dict(later.pop(key))
-        evaluator.grid = os.path.splitext(outs[key])[0] if cfg.grid else None
-        results[key] = evaluator(model, objective)
-        if dist.is_main():
-            report(cfg, evaluator, results[key], path, objective, n, steps, key, outs[key])
-    return results[emas[0]] if cfg.sigma_rel is None else results
+        for sampler, tag in zip(objectives, tags):
+            out = out_of(key, tag)
+            evaluator.grid = os.path.splitext(out)[0] if cfg.grid else None
+            results[key, tag] = evaluator(model, sampler)
+            if dist.is_main():
+                report(cfg, evaluator, results[key, tag], path, sampler, n, steps, key, out)
+    # one EMA and one sampler: its results; else {EMA: results} (sigma_rel), {sampler's tag: results} (a sweep), or both
+    if len(samplers) == 1:
+        return results[emas[0], tags[0]] if cfg.sigma_rel is None else {key: results[key, tags[0]] for key in emas}
+    if cfg.sigma_rel is None:
+        return {tag: results[emas[0], tag] for tag in tags}
+    return {key: {tag: results[key, tag] for tag in tags} for key in emas}
 
 
 def report(cfg, evaluator, results, path, objective, n, steps, ema, out) -> None:

@@ -47,6 +47,21 @@ def with_gamma(section, gamma, source: str):
     return {**section, "gamma": float(gamma)}
 
 
+def sampler_variants(mid_t=None, gamma=None) -> list[tuple]:
+    """The (mid_t, gamma) pairs a call scores: one pair, or a sweep when mid_t is a list of time lists
+    ([[1.2], [1.1]]: one 2-step sampler each) or gamma a list of numbers ([1, 0.5]), every mid_t with every gamma.
+    Values are checked where they are applied (with_mid_t, with_gamma)."""
+
+    def listed(value):
+        return isinstance(value, Sequence) and not isinstance(value, str)
+
+    mids = list(mid_t) if listed(mid_t) and mid_t and all(listed(m) for m in mid_t) else [mid_t]
+    if listed(mid_t) and any(listed(m) for m in mid_t) and not all(listed(m) for m in mid_t):
+        raise ValueError(f"mid_t mixes times and lists of times ({mid_t!r}): pass [1.1] for one sampler, [[1.2],[1.1]] to sweep")
+    gammas = list(gamma) if listed(gamma) and gamma else [gamma]
+    return [(m, g) for m in mids for g in gammas]
+
+
 def mid_t_tag(objective, mid_t, gamma=None) -> str:
     """The part of an output file name that says mid_t or gamma was set ("-mid0.8", "-gamma0"); "" when neither was."""
     tag = "" if mid_t is None else "-mid" + "_".join(f"{t:g}" for t in objective.mid_t)

@@ -11,7 +11,7 @@ from flm.data import DataConfig, shipped_mnist
 from flm.metrics.fid import FeatureNet, Stats
 from flm.train import checkpoint
 from flm.train.evaluation import Evaluator, check_n, parse_steps
-from flm.train.generator import build_objective_from, load_generator
+from flm.train.generator import build_objective_from, load_generator, sampler_variants
 
 from ..metrics.standin import StandIn, save_standin
 from .conftest import ROOT, load_entry, run_script, torchrun
@@ -121,6 +121,33 @@ def test_mid_t_sets_the_two_step_time_of_trigflow_runs(run):
     flow_matching = {"config": {"objective": {"name": "flow_matching"}}}
     with pytest.raises(ValueError, match="is a flow_matching run, whose sampler has none; leave mid_t=null"):
         build_objective_from(flow_matching, mid_t=[0.6])
+
+
+def test_sampler_variants_sweep_mid_t_lists_and_gammas():
+    assert sampler_variants() == [(None, None)]
+    assert sampler_variants([1.1], 0.5) == [([1.1], 0.5)]  # one sampler: a list of times is not a sweep
+    assert sampler_variants([1.2, 0.6]) == [([1.2, 0.6], None)]  # nor are a 3-step sampler's two times
+    assert sampler_variants([[1.2], [1.1]], [1, 0.5]) == [([1.2], 1), ([1.2], 0.5), ([1.1], 1), ([1.1], 0.5)]
+    assert sampler_variants(None, [1, 0]) == [(None, 1), (None, 0)]
+    with pytest.raises(ValueError, match="mixes times and lists of times"):
+        sampler_variants([[1.2], 1.1])
+
+
+def test_a_mid_t_sweep_scores_each_sampler_as_its_own_call_would(run, evaluate_run, tmp_path, monkeypatch):
+    used = []  # the sampler's times of each scoring (this tiny run's 2-step samples barely depend on them)
+    scored = Evaluator.__call__
+    monkeypatch.setattr(
+        Evaluator, "__call__", lambda self, model, objective: used.append(objective.mid_t) or scored(self, model, objective)
+    )
+    common = [f"ckpt={run['dir']}", "n=12", "steps=[2]", f"inception={run['inception']}", f"ref={run['ref']}", "device=cpu"]
+    swept = evaluate_run([*common, "mid_t=[[0.6],[0.3]]", f"out={tmp_path / 'fid.json'}"])
+    assert set(swept) == {"-mid0.6", "-mid0.3"} and used == [(0.6,), (0.3,)]
+    one = evaluate_run([*common, "mid_t=[0.3]", f"out={tmp_path / 'one.json'}"])
+    assert swept["-mid0.3"] == one and used[2:] == [(0.3,)]  # the same images and scores as a call of its own
+    for tag, times in (("-mid0.6", [0.6]), ("-mid0.3", [0.3])):
+        report = json.loads((tmp_path / f"fid{tag}.json").read_text())
+        assert report["mid_t"] == times and report["results"] == swept[tag]
+    assert not (tmp_path / "fid.json").exists()  # each sampler's own file, none under the bare name
 
 
 def test_gamma_sets_the_re_noising_of_trigflow_runs():
