@@ -54,6 +54,7 @@ import time
 import torch
 
 from flm.log import read_metrics, training_seconds
+from flm.train import checkpoint
 
 SAMPLER_STEPS = {
     "flow_matching": [50, 2],
@@ -236,6 +237,7 @@ def run_objective(spec: str, args, group: str | None = None) -> dict:
         "train_steps": steps,
         "step_ms": ms_final,
         "gpu_s": steady_gpu_seconds(run_dir),
+        "teacher_gpu_s": teacher_seconds(overrides),  # the teacher as it was trained, not a later namesake
         "wall_s": wall,
         "overrides": overrides,
         "evals": fid,
@@ -399,6 +401,27 @@ def teacher_run(r: dict, results: dict) -> dict | None:
     return None
 
 
+def teacher_seconds(overrides: list[str]) -> float | None:
+    """The GPU seconds that a distilled run's teacher trained for, read from the teacher's own metrics.jsonl up to the
+    checkpoint it is (a run folder's latest, or a checkpoint file: a two-stage split can take a longer run's earlier
+    checkpoint). None without a teacher or a readable run beside its checkpoint."""
+    teacher = next((o.split("=", 1)[1] for o in overrides if o.startswith("objective.teacher=")), None)
+    if teacher is None:
+        return None
+    try:
+        ckpt = checkpoint.find_checkpoint(teacher)
+        step = checkpoint.step_of(ckpt)
+        seconds = training_seconds(read_metrics(os.path.dirname(os.path.dirname(ckpt))))
+    except (FileNotFoundError, ValueError):
+        return None
+    start, spent = 0, 0.0
+    for end, total in seconds:  # a window's steps cost alike: a step inside one takes its share
+        if step <= end:
+            return spent + (total - spent) * (step - start) / (end - start)
+        start, spent = end, total
+    return None  # a checkpoint past the last logged window
+
+
 def teacher_fid50(r: dict, results: dict) -> float | None:
     """The 50-step FID of a distilled run's teacher (its first evaluation), if the table holds the teacher: issue 14
     measures a student against its own teacher. Recorded with the student, since a later run may reuse the name."""
@@ -510,7 +533,6 @@ def main() -> None:
                     f.cancel()
                 raise
             entry["teacher_fid50"] = teacher_fid50(entry, results)  # the teacher as it is now, not a later namesake
-            entry["teacher_gpu_s"] = (teacher_run(entry, results) or {}).get("gpu_s")
             results[entry["name"]] = entry  # written as each run ends: a later failure keeps the earlier results
             with open(results_path, "w") as f:
                 json.dump(results, f, indent=1)

@@ -122,6 +122,24 @@ def test_a_students_fid_is_divided_by_its_own_teachers_as_recorded_when_it_ran(t
     assert all(row.split("|")[7].strip() == f"{results['s']['gpu_s'] + 150:.0f}" for row in rows)
 
 
+def test_a_teachers_gpu_seconds_are_read_up_to_the_checkpoint_it_is(tmp_path):
+    quality = load("quality")
+    run = tmp_path / "fm"
+    (run / "checkpoints").mkdir(parents=True)
+    windows = [(50, 100.0), (100, 10.0), (150, 20.0)]  # the first holds compilation: charged at the others' median, 15
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": k, "step_ms": ms}) + "\n" for k, ms in windows))
+    for step in (120, 150, 200):
+        (run / "checkpoints" / f"ckpt-{step:08d}.pt").touch()
+    teacher = lambda path: quality.teacher_seconds(["objective.dmd_start=2", f"objective.teacher={path}"])  # noqa: E731
+    assert teacher(run / "checkpoints" / "ckpt-00000150.pt") == pytest.approx(0.75 + 0.5 + 1.0)
+    assert teacher(run / "checkpoints" / "ckpt-00000120.pt") == pytest.approx(0.75 + 0.5 + 20 * 20 / 1000)  # within a window
+    assert teacher(run / "checkpoints" / "ckpt-00000200.pt") is None  # past the last logged window
+    assert teacher(run) is None  # a run folder is its latest checkpoint, here the one past the windows
+    (run / "checkpoints" / "ckpt-00000200.pt").unlink()
+    assert teacher(run) == pytest.approx(2.25)
+    assert teacher(tmp_path / "gone") is None and quality.teacher_seconds(["trainer.seed=1"]) is None
+
+
 def test_extra_sampler_steps_are_scored_and_reported_beside_the_objectives_own(tmp_path):
     quality = load("quality")
     assert quality.run_sampler_steps("meanflow", [50, 2, 50]) == [1, 2, 50]  # the own ones first, no repeats
