@@ -20,7 +20,7 @@ multi-step re-noising), so samples do not depend on the batch size; deterministi
 """
 
 from flm.objectives.consistency import SCM
-from flm.objectives.distillation import RCM, SCD
+from flm.objectives.distillation import RCM, RCMGAN, SCD
 from flm.objectives.flow_matching import FlowMatching
 from flm.objectives.jvp import JVP_MODES
 from flm.objectives.meanflow import MeanFlow, MeanFlowDMD, MeanFlowGAN
@@ -34,6 +34,7 @@ OBJECTIVES = {
     "rcm": RCM,
     "meanflow_dmd": MeanFlowDMD,
     "meanflow_gan": MeanFlowGAN,
+    "rcm_gan": RCMGAN,
 }
 
 
@@ -49,6 +50,7 @@ __all__ = [
     "NO_NETWORKS",
     "OBJECTIVES",
     "RCM",
+    "RCMGAN",
     "SCD",
     "SCM",
     "FlowMatching",

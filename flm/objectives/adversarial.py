@@ -1,6 +1,8 @@
 """An adversarial loss on a distilled student's one-step samples, with the discriminator it trains online
 (adversarial distillation: the GAN term that ADD and DMD2 give their few-step students). MeanFlow's student
-takes it (flm.objectives.meanflow.MeanFlowGAN).
+takes it (flm.objectives.meanflow.MeanFlowGAN), and rCM's (flm.objectives.distillation.RCMGAN: DMD2's pair of
+regularisers, DMD and the GAN term, on the sCD student; the term waits for DMD's start and skips the fake score's
+steps).
 
 The distillation loss pulls the student towards its teacher's flow map; the adversarial loss pulls its
 one-step samples towards the data, which the teacher's map only approximates. On the one-step samples
@@ -105,9 +107,11 @@ def build_feature_discriminator(model_args: dict, *, width: int, blocks) -> Feat
 
 
 class AdversarialRegularised:
-    """Mixin before a distillation objective (one with a loss(model, x, y, *, step, teacher)): adds the adversarial
-    term and the discriminator. The class that mixes it in defines generate(model, x, y): the student's one-step
-    samples from fresh noise, shaped like x, with the model's gradient.
+    """Mixin before a distillation objective (one with a loss(model, x, y, *, step, teacher, ...) giving the student's
+    loss, or a dict of losses per network with the student's under "model"): adds the adversarial term and the
+    discriminator. The class that mixes it in defines generate(model, x, y): the student's one-step samples from fresh
+    noise, shaped like x, with the model's gradient. Before another regulariser (DMD) it passes that one's networks
+    and phase on, and takes its term in the phase "model" alone.
 
     Args:
         adv_weight: weight of the student's adversarial loss (its distillation loss is ~1 with MeanFlow's
@@ -175,13 +179,20 @@ class AdversarialRegularised:
         eps = torch.randn_like(x, dtype=torch.float32)
         return teacher_features(teacher, x, s, eps, y, unwrap(discriminator).feature_blocks)
 
-    def loss(self, model, x, y=None, *, step=0, teacher, discriminator):
+    def loss(self, model, x, y=None, *, step=0, teacher, discriminator, **networks):
         if self.r1_gamma and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
             raise ValueError(
                 "objective.r1_gamma > 0 takes a double backward through the discriminator, which DDP does not "
                 "support; set objective.r1_gamma=0 for a multi-process run"
             )
-        student_loss, metrics = super().loss(model, x, y, step=step, teacher=teacher)
+        out, metrics = super().loss(model, x, y, step=step, teacher=teacher, **networks)
+        losses = dict(out) if isinstance(out, dict) else {"model": out}
+        # a phased objective (rCM) takes the term in its student steps with DMD only: after its distillation-alone
+        # steps, and not in its fake score's steps (phase is given with a CUDA graph's tensor step)
+        phase = networks.get("phase") or (self.phase(step) if hasattr(self, "phase") else None)
+        if phase not in (None, "model"):
+            return losses, metrics
+        student_loss = losses["model"]
         k = max(1, math.ceil(self.adv_frac * x.shape[0]))
         y_g = None if y is None else y[:k]
         x_g = self.generate(model, x[:k], y_g)
@@ -215,6 +226,7 @@ class AdversarialRegularised:
         surrogate = (x_g.float() * g.float()).sum()  # its gradient in x_g is g; its value is L_G's below
         adv = surrogate - surrogate.detach() + F.softplus(-d_fake).mean().detach()
         loss = student_loss + self.adv_weight * adv
+        losses.update(model=loss, discriminator=disc_loss)
         with torch.no_grad():
             metrics.update(
                 loss=loss.detach(),
@@ -223,4 +235,4 @@ class AdversarialRegularised:
                 d_real=d_real.mean().detach(),
                 d_fake=d_fake.mean().detach(),
             )
-        return {"model": loss, "discriminator": disc_loss}, metrics
+        return losses, metrics

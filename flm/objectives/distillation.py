@@ -46,6 +46,7 @@ import math
 
 import torch
 
+from flm.objectives.adversarial import AdversarialRegularised
 from flm.objectives.checks import (
     check_hf_weight_one_step,
     check_probability,
@@ -303,3 +304,12 @@ class RCM(DMDRegularised, SCD):
         t = torch.full((len(x),), self.t_max, device=x.device)
         t[:k] = mid  # from a python float: no host-to-device copy inside a capture
         return consistency_value(x_in, t, self.sigma_d * self.network_output(model, x_in / self.sigma_d, t, y))
+
+
+class RCMGAN(AdversarialRegularised, RCM):
+    """rCM plus an adversarial loss on the student's one-step samples against the data, with an online discriminator
+    (flm.objectives.adversarial): DMD2's two regularisers on the sCD student. The adversarial term and the
+    discriminator's updates run in rCM's student steps with DMD (from dmd_start; not in the fake score's steps).
+
+    Args: AdversarialRegularised's (adv_weight, adv_frac, disc_lr, r1_gamma, disc_backbone, ...) and RCM's.
+    """

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from flm.objectives import RCM, SCD, MeanFlow, MeanFlowDMD, build_objective, distillation
+from flm.objectives import RCM, RCMGAN, SCD, MeanFlow, MeanFlowDMD, build_objective, distillation
 from flm.objectives.adversarial import Discriminator
 from flm.objectives.frequency import high_pass
 from flm.objectives.teacher import flow_time, trigflow_velocity
@@ -63,9 +63,9 @@ def _student_step(name, backend, mode, plain=False, **options):
     objective = build_objective(name, **kwargs)
     student = with_backend(tiny_dit(time_inputs=objective.time_inputs, seed=1), backend)
     networks = {"teacher": tiny_dit(seed=2).requires_grad_(False)}
-    if name in ("rcm", "meanflow_dmd"):
+    if name in ("rcm", "meanflow_dmd", "rcm_gan"):
         networks["fake_score"] = tiny_dit(seed=3).requires_grad_(False)
-    if name == "meanflow_gan":
+    if name.endswith("gan"):
         torch.manual_seed(3)
         networks["discriminator"] = Discriminator(3, 10, width=8, depth=2).requires_grad_(False)
     g = torch.Generator().manual_seed(0)
@@ -80,7 +80,14 @@ def _student_step(name, backend, mode, plain=False, **options):
 
 @pytest.mark.parametrize(
     "name, options",
-    [("scd", {}), ("scd", {"one_step_frac": 0.5, "teacher_steps": 2}), ("rcm", {}), ("meanflow_dmd", {}), ("meanflow_gan", {})],
+    [
+        ("scd", {}),
+        ("scd", {"one_step_frac": 0.5, "teacher_steps": 2}),
+        ("rcm", {}),
+        ("meanflow_dmd", {}),
+        ("meanflow_gan", {}),
+        ("rcm_gan", {"adv_weight": 1.0}),
+    ],
 )
 def test_student_gradients_agree_across_jvp_modes_and_the_fused_attention(name, options):
     loss_ref, grads_ref = _student_step(name, "math", "two_pass", plain=True, **options)
@@ -92,6 +99,41 @@ def test_student_gradients_agree_across_jvp_modes_and_the_fused_attention(name, 
             assert (g is None) == (g_ref is None)
             if g is not None:
                 torch.testing.assert_close(g, g_ref, rtol=1e-3, atol=1e-5, msg=f"{backend}/{mode}")
+
+
+def test_rcm_gan_adds_the_adversarial_term_in_the_students_dmd_steps_alone():
+    """dmd_start 2, fake_updates 1: sCD alone at steps 0 and 1, the fake score at 2, then the student with DMD and the
+    GAN term, whose loss is rCM's (the same draws come first) plus adv_weight times the term; also with the phase given
+    and the step a tensor, as under CUDA graphs."""
+    options = {"teacher": "unused", "dmd_start": 2, "warmup_steps": 4, "dmd_weight": 0.5}
+    gan, rcm = RCMGAN(adv_weight=0.7, **options), RCM(**options)
+    student, teacher, fake = tiny_dit(seed=1), tiny_dit(seed=2).requires_grad_(False), tiny_dit(seed=3)
+    torch.manual_seed(3)
+    disc = Discriminator(3, 10, width=8, depth=2)
+    x, y = torch.randn(4, 3, 8, 8), torch.tensor([0, 3, 7, 9])
+    for step, phase, keys in [
+        (0, None, {"model"}),
+        (1, None, {"model"}),
+        (2, None, {"fake_score"}),
+        (3, None, {"model", "discriminator"}),
+        (torch.tensor(3), "model", {"model", "discriminator"}),
+    ]:
+        torch.manual_seed(5)
+        losses, metrics = gan.loss(student, x, y, step=step, phase=phase, teacher=teacher, fake_score=fake, discriminator=disc)
+        assert set(losses) == keys, step
+        torch.manual_seed(5)
+        plain, _ = rcm.loss(student, x, y, step=step, phase=phase, teacher=teacher, fake_score=fake)
+        extra = 0.7 * metrics["adv"] if "discriminator" in keys else 0.0
+        for key in plain:
+            torch.testing.assert_close(losses[key], plain[key] + (extra if key == "model" else 0.0))
+        if "discriminator" in keys:  # the discriminator's loss trains it alone; the student's term reaches the student
+            assert all(
+                g is None
+                for g in torch.autograd.grad(
+                    losses["discriminator"], list(student.parameters()), retain_graph=True, allow_unused=True
+                )
+            )
+            assert all(g is None for g in torch.autograd.grad(losses["model"], list(disc.parameters()), allow_unused=True))
 
 
 def test_rcm_alternates_fake_score_and_student_updates():

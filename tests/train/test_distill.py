@@ -1,4 +1,4 @@
-"""Distillation in the loop (objective=scd / rcm / meanflow_distill): the teacher stays frozen, the
+"""Distillation in the loop (objective=scd / rcm / rcm_gan / meanflow_distill / ...): the teacher stays frozen, the
 student starts from it, every network resumes bit-exactly, two gloo processes (DDP, FSDP2) train as one,
 a student samples without its teacher's file, and a bad teacher is one `error:` line with nothing written."""
 
@@ -100,18 +100,19 @@ def test_the_teacher_stays_frozen_and_the_student_starts_from_it(tmp_path, teach
         ("meanflow_dmd", ["objective.fake_updates=0"]),
         ("meanflow_gan", ["objective.disc_width=8"]),
         ("meanflow_gan", ["objective.disc_backbone=teacher", "objective.r1_gamma=0", "objective.disc_width=8"]),
+        ("rcm_gan", ["objective.dmd_start=2", "objective.disc_width=8"]),
     ],
 )
 def test_stop_and_resume_is_bit_exact_with_every_network(tmp_path, teacher, train_run, name, extra):
     common = objective_of(name, teacher, extra) + STUDENT[:2] + extra
-    common += ["objective.warmup_steps=2"] if name in ("scd", "rcm") else []
+    common += ["objective.warmup_steps=2"] if name in ("scd", "rcm", "rcm_gan") else []
     common += ["trainer.grad_accum=2", "trainer.log_every=1"]
     train_run(tmp_path / "whole", common)
     train_run(tmp_path / "split", common + ["trainer.max_steps=2"])
     train_run(tmp_path / "split", common + ["trainer.resume=auto"])
     whole, split = (checkpoint.load(str(tmp_path / run / "checkpoints" / "ckpt-00000004.pt")) for run in ("whole", "split"))
-    assert ("fake_score.optimizer" in whole) == (name in ("rcm", "meanflow_dmd")) and "teacher" not in whole
-    assert ("discriminator.optimizer" in whole) == (name == "meanflow_gan")
+    assert ("fake_score.optimizer" in whole) == (name in ("rcm", "meanflow_dmd", "rcm_gan")) and "teacher" not in whole
+    assert ("discriminator.optimizer" in whole) == (name in ("meanflow_gan", "rcm_gan"))
     for key in set(whole) - {"config"}:
         assert_same_state(whole[key], split[key], key)
     metrics = [json.loads(line) for line in open(tmp_path / "whole" / "metrics.jsonl")]
@@ -134,6 +135,9 @@ def test_stop_and_resume_is_bit_exact_with_every_network(tmp_path, teacher, trai
         assert all("fake_loss" in m and "dmd" in m and "fake_score.grad_norm" in m for m in metrics)
     if name == "meanflow_gan":  # the student and the discriminator in every step
         assert all("disc_loss" in m and "adv" in m and "discriminator.grad_norm" in m for m in metrics)
+    if name == "rcm_gan":  # sCD alone at steps 1 and 2, the fake score at 3, then the student with DMD and the GAN term
+        assert ["fake_loss" in m for m in metrics] == [False, False, True, False]
+        assert ["dmd" in m and "adv" in m and "discriminator.grad_norm" in m for m in metrics] == [False, False, False, True]
 
 
 def test_a_student_samples_without_its_teachers_file(tmp_path, teacher, train_run):
@@ -275,6 +279,11 @@ PARALLEL = {"ddp": [], "fsdp": ["trainer.parallel=fsdp"]}
         ),
         ("meanflow_gan", ["objective.r1_gamma=0", "objective.disc_width=8"], "discriminator"),
         ("meanflow_gan", ["objective.disc_backbone=teacher", "objective.r1_gamma=0", "objective.disc_width=8"], "discriminator"),
+        (
+            "rcm_gan",
+            ["objective.warmup_steps=2", "objective.dmd_start=2", "objective.r1_gamma=0", "objective.disc_width=8"],
+            "discriminator",
+        ),
     ],
 )
 def test_two_processes_distil_as_one(tmp_path, teacher, train_run, name, extra, net):
@@ -314,6 +323,7 @@ def test_two_processes_distil_as_one(tmp_path, teacher, train_run, name, extra, 
             ],
         ),
         ("meanflow_gan", "discriminator", []),
+        ("rcm_gan", "discriminator", ["objective.dmd_start=2"]),  # the GAN term in the student's DMD graph alone
     ],
 )
 def test_a_graphed_run_with_a_second_trained_network_follows_the_eager_run(tmp_path, teacher, train_run, name, net, extra):
@@ -323,7 +333,8 @@ def test_a_graphed_run_with_a_second_trained_network_follows_the_eager_run(tmp_p
 
     common = objective_of(name, teacher) + STUDENT[:2] + extra
     common += ["attention=triton_jvp", "trainer.device=cuda", "trainer.max_steps=6"]
-    common += ["objective.warmup_steps=2"] if name == "rcm" else ["objective.disc_width=8"]
+    common += ["objective.warmup_steps=2"] if name.startswith("rcm") else []
+    common += ["objective.disc_width=8"] if name.endswith("gan") else []
     common += ["trainer.log_every=1"]
     train_run(tmp_path / "eager", common)
     train_run(tmp_path / "graph", common + ["trainer.cuda_graph=true"])
