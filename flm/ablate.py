@@ -27,6 +27,7 @@ import math
 import os
 import shutil
 import statistics
+from collections.abc import Mapping
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -40,6 +41,7 @@ from flm.objectives.jvp import record_tangents
 from flm.train import checkpoint, train
 from flm.cli import user_error
 from flm.train.config import build_group
+from flm.train.ema import ema_key
 from flm.train.settings import amp_dtype, local_batch_size
 
 # Default tolerances by compute precision: (loss, grad, tangent).
@@ -92,11 +94,14 @@ class Result:
 
 @dataclasses.dataclass
 class Trained:
-    """What probe() needs of a finished run: the model's arguments and the weights it ended with."""
+    """What probe() needs of a finished run: the model's arguments and the weights it ended with, with those of the
+    objective's trainable networks (a distillation's fake score or discriminator) and its EMAs (a target network)."""
 
     model_args: dict
     model: dict[str, torch.Tensor]
     objective: dict[str, torch.Tensor]
+    networks: dict[str, dict[str, torch.Tensor]] = dataclasses.field(default_factory=dict)
+    ema: dict[str, dict[str, torch.Tensor]] = dataclasses.field(default_factory=dict)
 
 
 def train_with(
@@ -130,16 +135,20 @@ def train_with(
     trained = None
     if keep_weights:  # the final checkpoint: the weights probe() starts from
         bundle = checkpoint.load(checkpoint.find_checkpoint(run_dir))
-        trained = Trained(bundle["model_args"], bundle["model"], bundle["objective"])
+        names = build_group(cfg, "objective").networks
+        networks = {name: bundle[name] for name, network in names.items() if network.trainable}
+        trained = Trained(bundle["model_args"], bundle["model"], bundle["objective"], networks, bundle.get("ema") or {})
     shutil.rmtree(os.path.join(run_dir, "checkpoints"), ignore_errors=True)  # weights are not what we compare
 
     records = read_metrics(run_dir)
-    curve = "mse" if "mse" in records[0] else "loss"  # MeanFlow's adaptive-weighted loss stays near 1
+    # MeanFlow's adaptive-weighted loss stays near 1; an alternating objective (rCM) logs its student's mse in the
+    # student's steps alone
+    curve = "mse" if any("mse" in r for r in records) else "loss"
     median_ms = statistics.median([r["step_ms"] for r in records][warmup:] or [r["step_ms"] for r in records])
     result = Result(
         backend,
         curve=curve,
-        losses=[float(r[curve]) for r in records],
+        losses=[float(r[curve]) for r in records if curve in r],
         step_ms=median_ms,
         images_per_s=cfg.trainer.batch_size * 1000 / median_ms,
         peak_gib=max((r["gpu_mem_gib"] for r in records if "gpu_mem_gib" in r), default=None),
@@ -156,21 +165,51 @@ def probe(
     (Not at the initial weights: DiT's zero-initialised gates and output layer keep attention out of
     the first steps' output and gradients.)
     """
-    model = build_model(**{**trained.model_args, "attention": backend})
+    model_args = {**trained.model_args, "attention": backend}
+    model = build_model(**model_args)
     model.load_state_dict(trained.model)
     model.to(device)
     objective = build_group(cfg, "objective")
     objective.load_state_dict(trained.objective)
     objective.to(device)
+    extras = networks_of(objective, model_args, trained, device)
     micro_batch = local_batch_size(cfg.trainer.batch_size, cfg.trainer.grad_accum, world=1)
     x, y = Loader(dataset, batch_size=micro_batch, rank=0, world_size=1, seed=cfg.trainer.seed).next()
     y = y.to(device) if trained.model_args["num_classes"] else None
-    torch.manual_seed(cfg.trainer.seed)
-    with record_tangents() as tangents, torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
-        loss, _ = objective.loss(model, x.to(device), y, step=cfg.trainer.max_steps)
+    # the first student step from max_steps on (an alternating objective's other steps update another network)
+    for step in range(cfg.trainer.max_steps, cfg.trainer.max_steps + 16):
+        phase = objective.phase(step) if hasattr(objective, "phase") else None
+        torch.manual_seed(cfg.trainer.seed)
+        with record_tangents() as tangents, torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+            loss, _ = objective.loss(model, x.to(device), y, step=step, **({} if phase is None else {"phase": phase}), **extras)
+        if not isinstance(loss, Mapping) or "model" in loss:
+            break
+    else:
+        raise ValueError(f"{type(objective).__name__} made no step of the trained model in 16 steps after step {step - 15}")
+    loss = loss["model"] if isinstance(loss, Mapping) else loss
     loss.backward()
     grads = {name: p.grad.float().cpu() for name, p in model.named_parameters() if p.grad is not None}
     return grads, tangents[0] if tangents else None
+
+
+def networks_of(objective, model_args: dict, trained: Trained, device: torch.device) -> dict[str, torch.nn.Module]:
+    """The networks an objective's loss takes besides the model (flm.objectives.protocol.Network), built as the loop
+    builds them: a frozen one (a teacher) anew, a trainable one (a fake score, a discriminator) with the run's final
+    weights, and an EMA target network from the run's EMA of that decay."""
+    extras = {}
+    for name, network in objective.networks.items():
+        net = network.build(model_args)
+        if network.trainable:
+            net.load_state_dict(trained.networks[name])
+        else:
+            net.requires_grad_(False).eval()
+        extras[name] = net.to(device)
+    decay = getattr(objective, "target_ema_decay", None)
+    if decay is not None:
+        target = build_model(**model_args)
+        target.load_state_dict(trained.ema[ema_key(decay)])
+        extras["ema"] = target.to(device).requires_grad_(False)
+    return extras
 
 
 # ----------------------------------------------------------------------------------------------

@@ -117,3 +117,21 @@ def test_loss_gap_is_judged_against_the_scatter_of_the_curves():
     # same mean, per-step scatter 0.2: a gap of a few 1e-2 is noise (standard error ~0.06), not drift
     assert noisy.drift == [] and 0.03 < noisy.loss_noise < 0.1
     assert [d.split()[0] for d in shifted.drift] == ["loss"] and shifted.diffs["loss"] > 0.4
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU rows")
+def test_a_distilled_student_is_ablated_with_its_teacher_fake_score_and_discriminator(tmp_path):
+    teacher = tmp_path / "teacher"
+    rc, _, err = run_script("train", *TINY, "trainer.max_steps=2", "objective=flow_matching", f"run_dir={teacher}")
+    assert rc == 0, err
+    student = ["objective=rcm_gan", f"objective.teacher={teacher}", "objective.dmd_start=2", "objective.warmup_steps=2"]
+    student += ["objective.disc_width=8", "ablate.backends=[math,sdpa]", "ablate.warmup=1", "trainer.log_every=1"]
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        cfg = compose(config_name="ablate", overrides=[*TINY, *student])
+    ablate(cfg, str(tmp_path / "ablation"), command="pytest")
+    cells = row((tmp_path / "ablation" / "ablation.md").read_text(), "sdpa")
+    # the probe's step (max_steps, 4) is a fake-score step: the student's gradient is taken at the next one
+    assert cells[-1] == "ok" and 0 < float(cells[6]) < 1e-4
+    numbers = json.loads((tmp_path / "ablation" / "ablation.json").read_text())
+    # steps 1-2 sCD alone, 3 the fake score, 4 the student with DMD and the GAN term: the mse of the student's steps
+    assert [(r["curve"], len(r["losses"])) for r in numbers["results"]] == [("mse", 3), ("mse", 3)]
