@@ -65,11 +65,12 @@ SAMPLER_STEPS = {
     "meanflow_distill": [1, 2],
     "meanflow_dmd": [1, 2],
     "meanflow_gan": [1, 2],
+    "rcm_gan": [1, 2],
 }
 
 
 # students of a teacher: a flow map to compare with
-DISTILLED = ("scd", "rcm", "meanflow_distill", "meanflow_dmd", "meanflow_gan")
+DISTILLED = ("scd", "rcm", "rcm_gan", "meanflow_distill", "meanflow_dmd", "meanflow_gan")
 
 
 def sh(args: list[str], log: str) -> str:

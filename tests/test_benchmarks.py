@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from .train.conftest import load_entry
+from .train.conftest import ROOT, load_entry
 
 
 def load(name):
@@ -120,6 +120,19 @@ def test_a_students_fid_is_divided_by_its_own_teachers_as_recorded_when_it_ran(t
     quality.report(json.loads(json.dumps(results)), tmp_path / "q.md")
     rows = [line for line in (tmp_path / "q.md").read_text().splitlines() if line.startswith("| s ")]
     assert all(row.split("|")[7].strip() == f"{results['s']['gpu_s'] + 150:.0f}" for row in rows)
+
+
+def test_every_objective_has_its_samplers_and_every_student_its_flow_map_in_the_quality_benchmark():
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    quality = load("quality")
+    names = {path.stem for path in (ROOT / "configs" / "objective").glob("*.yaml")}
+    assert set(quality.SAMPLER_STEPS) == names
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        objectives = {name: compose(config_name="train", overrides=[f"objective={name}"]).objective for name in names}
+    students = {name for name, o in objectives.items() if "teacher" in o.keys() and OmegaConf.is_missing(o, "teacher")}
+    assert set(quality.DISTILLED) == students  # the objectives that must be given a teacher
 
 
 def test_a_teachers_gpu_seconds_are_read_up_to_the_checkpoint_it_is(tmp_path):
