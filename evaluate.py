@@ -30,6 +30,7 @@ from flm.data import DataConfig, stored_data
 from flm.files import write_json
 from flm.latents import decoder_of, reference_source
 from flm.cli import report_user_errors
+from flm.train.config import plain
 from flm.train.evaluation import Evaluator, check_n, parse_steps
 from flm.train.export import is_export
 from flm.train.generator import (
@@ -67,11 +68,6 @@ def table(results: dict, steps: list[int]) -> str:
     return "\n".join(lines)
 
 
-def to_plain(value):
-    """A config value as plain Python (Hydra's lists as lists)."""
-    return OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
-
-
 def run(cfg: DictConfig) -> dict:
     n = check_n(cfg.n)
     if not isinstance(cfg.fid, bool):
@@ -85,7 +81,7 @@ def run(cfg: DictConfig) -> dict:
         if is_export(path):
             raise ValueError(f"sigma_rel reads a run's checkpoints; {path} is an exported folder: pass the run or a checkpoint")
         bundle, emas = posthoc_bundle(run_of(path), widths_of(cfg.sigma_rel), step=int(bundle["step"]))
-    samplers = sampler_variants(to_plain(cfg.mid_t), to_plain(cfg.gamma))  # one, or a sweep scored in turn
+    samplers = sampler_variants(plain(cfg.mid_t, "mid_t"), plain(cfg.gamma, "gamma"))  # one, or a sweep scored in turn
     device = dist.init(cfg.device)
     model, objective = load_generator(
         bundle,

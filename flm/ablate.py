@@ -111,10 +111,11 @@ def train_with(
     cfg = copy.deepcopy(cfg)
     cfg.model.attention = backend
     try:
+        objective = build_group(cfg, "objective")  # kept: its networks name the trainable ones in the checkpoint
         train(
             run_dir=run_dir,
             model=build_group(cfg, "model"),
-            objective=build_group(cfg, "objective"),
+            objective=objective,
             data=data_at(cfg, side),
             optim=build_group(cfg, "optim"),
             trainer=build_group(cfg, "trainer"),
@@ -135,8 +136,7 @@ def train_with(
     trained = None
     if keep_weights:  # the final checkpoint: the weights probe() starts from
         bundle = checkpoint.load(checkpoint.find_checkpoint(run_dir))
-        names = build_group(cfg, "objective").networks
-        networks = {name: bundle[name] for name, network in names.items() if network.trainable}
+        networks = {name: bundle[name] for name, network in objective.networks.items() if network.trainable}
         trained = Trained(bundle["model_args"], bundle["model"], bundle["objective"], networks, bundle.get("ema") or {})
     shutil.rmtree(os.path.join(run_dir, "checkpoints"), ignore_errors=True)  # weights are not what we compare
 
@@ -178,10 +178,9 @@ def probe(
     y = y.to(device) if trained.model_args["num_classes"] else None
     # the first student step from max_steps on (an alternating objective's other steps update another network)
     for step in range(cfg.trainer.max_steps, cfg.trainer.max_steps + 16):
-        phase = objective.phase(step) if hasattr(objective, "phase") else None
         torch.manual_seed(cfg.trainer.seed)
         with record_tangents() as tangents, torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
-            loss, _ = objective.loss(model, x.to(device), y, step=step, **({} if phase is None else {"phase": phase}), **extras)
+            loss, _ = objective.loss(model, x.to(device), y, step=step, **extras)  # a phased loss reads its phase off the step
         if not isinstance(loss, Mapping) or "model" in loss:
             break
     else:

@@ -27,7 +27,7 @@ def with_mid_t(section, mid_t, source: str):
             f"mid_t={mid_t} sets the intermediate times of few-step sampling (scm, scd, rcm in TrigFlow time; "
             f"meanflow, meanflow_distill in (0, 1)), but {source} is a {name} run, whose sampler has none; leave mid_t=null"
         )
-    values = list(mid_t) if isinstance(mid_t, Sequence) and not isinstance(mid_t, str) else [mid_t]
+    values = list(mid_t) if _listed(mid_t) else [mid_t]
     if not values or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
         raise ValueError(f"mid_t must be a number or a list of numbers (e.g. [1.1] for sCM, [0.6] for MeanFlow), got {mid_t!r}")
     return {**section, "mid_t": [float(v) for v in values]}
@@ -51,15 +51,17 @@ def sampler_variants(mid_t=None, gamma=None) -> list[tuple]:
     """The (mid_t, gamma) pairs a call scores: one pair, or a sweep when mid_t is a list of time lists
     ([[1.2], [1.1]]: one 2-step sampler each) or gamma a list of numbers ([1, 0.5]), every mid_t with every gamma.
     Values are checked where they are applied (with_mid_t, with_gamma)."""
-
-    def listed(value):
-        return isinstance(value, Sequence) and not isinstance(value, str)
-
-    mids = list(mid_t) if listed(mid_t) and mid_t and all(listed(m) for m in mid_t) else [mid_t]
-    if listed(mid_t) and any(listed(m) for m in mid_t) and not all(listed(m) for m in mid_t):
+    nested = [_listed(m) for m in mid_t] if _listed(mid_t) else []
+    if any(nested) and not all(nested):
         raise ValueError(f"mid_t mixes times and lists of times ({mid_t!r}): pass [1.1] for one sampler, [[1.2],[1.1]] to sweep")
-    gammas = list(gamma) if listed(gamma) and gamma else [gamma]
+    mids = list(mid_t) if nested and all(nested) else [mid_t]
+    gammas = list(gamma) if _listed(gamma) and gamma else [gamma]
     return [(m, g) for m in mids for g in gammas]
+
+
+def _listed(value) -> bool:
+    """A list of values (Hydra's included), not one value."""
+    return isinstance(value, Sequence) and not isinstance(value, str)
 
 
 def mid_t_tag(objective, mid_t, gamma=None) -> str:
