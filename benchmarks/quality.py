@@ -41,7 +41,6 @@ and <out>/quality.md is rewritten from all entries each time.
 """
 
 import argparse
-import ast
 import concurrent.futures
 import json
 import math
@@ -55,6 +54,8 @@ import torch
 
 from flm.log import read_metrics, training_seconds
 from flm.train import checkpoint
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SAMPLER_STEPS = {
     "flow_matching": [50, 2],
@@ -113,18 +114,21 @@ def steady_gpu_seconds(run_dir: str) -> float:
     return training_seconds(read_metrics(run_dir))[-1][1]
 
 
-def cost_change(overrides: list[str]) -> tuple[int, str] | None:
-    """(end, key) of a run whose steps cost less before step `end`, else None: MeanFlow's consistency curriculum
+def cost_change(objective: str, overrides: list[str]) -> tuple[int, str, str] | None:
+    """(end, key, neutral) of a run whose steps cost less before step `end`, else None: MeanFlow's consistency curriculum
     (objective.alpha_steps=[start,end]: no JVP before its hand-over) or a DMD start (objective.dmd_start: the
-    distillation alone, no DMD forwards and no fake-score steps, before it). `key` is the override that makes every step
-    the later kind when dropped."""
-    for override in overrides:
-        key, _, value = override.partition("=")
-        key, value = key.lstrip("+"), value.strip()
-        if key == "objective.alpha_steps" and value not in ("", "null"):
-            return int(ast.literal_eval(value)[1]), key
-        if key == "objective.dmd_start" and value not in ("", "null", "0"):
-            return int(value), key
+    distillation alone, no DMD forwards and no fake-score steps, before it). Read from the run's composed config, so a
+    preset's own value counts as an override's does (mnist_rcm starts DMD at step 400). `key=neutral` makes every step
+    the later kind."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=os.path.join(ROOT, "configs"), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=[f"experiment=mnist_{objective}", *overrides])
+    alpha_steps, dmd_start = cfg.objective.get("alpha_steps"), cfg.objective.get("dmd_start")
+    if alpha_steps is not None:
+        return int(alpha_steps[1]), "objective.alpha_steps", "null"
+    if dmd_start:
+        return int(dmd_start), "objective.dmd_start", "0"
     return None
 
 
@@ -188,14 +192,14 @@ def run_objective(spec: str, args, group: str | None = None) -> dict:
         probe = args.probe_steps if steps == "auto" else min(args.probe_steps, 100)
         # the probe's steps lie in the warm-up, which no decay touches; the resumed run decays to its own max_steps
         sh(train + [f"trainer.max_steps={probe}", "optim.decay=none"], log)
-        change, end, ms_after = cost_change(overrides), None, None
-        if change is not None:  # cheaper steps until `end`: the later kind is probed apart, with the option dropped
-            end, key = change
+        change, end, ms_after = cost_change(objective, overrides), None, None
+        if change is not None:  # cheaper steps until `end`: the later kind is probed apart, every step made that kind
+            end, key, neutral = change
             if probe >= end:
                 raise SystemExit(f"error: {name}'s {key} changes its step at step {end}, inside the {probe}-step probe")
             later_dir = f"{run_dir}-later-probe"
             plain = [a for a in train if not a.lstrip("+").startswith(("run_dir=", f"{key}="))]
-            sh(plain + [f"run_dir={later_dir}", f"trainer.max_steps={probe}", "optim.decay=none"], log)
+            sh(plain + [f"{key}={neutral}", f"run_dir={later_dir}", f"trainer.max_steps={probe}", "optim.decay=none"], log)
             ms_after = steady_step_ms(later_dir)
         steps = max(probe, steps_for_budget(budget_s, steady_step_ms(run_dir), end, ms_after))
         if steps > probe:

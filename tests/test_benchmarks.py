@@ -470,13 +470,16 @@ def test_quality_gpu_seconds_charge_each_window_at_its_own_step_time(tmp_path):
 
 def test_quality_budgets_a_curriculums_cheap_steps_apart():
     """A time budget buys steps at the probed ms/step; with MeanFlow's consistency curriculum (or a DMD start) its first
-    `end` steps at their own cost and the rest at the later kind's, read from objective.alpha_steps (objective.dmd_start)
-    among the overrides."""
+    `end` steps at their own cost and the rest at the later kind's, read from the run's composed config: an override's
+    objective.alpha_steps (objective.dmd_start) or the preset's own (mnist_rcm and mnist_rcm_gan start DMD at 400)."""
     quality = load("quality")
-    assert quality.cost_change(["model=DiT-S/4", "objective.alpha_steps=[700,2000]"]) == (2000, "objective.alpha_steps")
-    assert quality.cost_change(["objective.teacher=x", "objective.dmd_start=600"]) == (600, "objective.dmd_start")
-    assert quality.cost_change(["objective.alpha_steps=null"]) is None and quality.cost_change([]) is None
-    assert quality.cost_change(["objective.dmd_start=0"]) is None
+    change = quality.cost_change
+    assert change("meanflow", ["model=DiT-S/4", "objective.alpha_steps=[700,2000]"]) == (2000, "objective.alpha_steps", "null")
+    assert change("rcm", ["objective.teacher=x", "objective.dmd_start=600"]) == (600, "objective.dmd_start", "0")
+    assert change("rcm", ["objective.teacher=x"]) == (400, "objective.dmd_start", "0")
+    assert change("rcm_gan", []) == (400, "objective.dmd_start", "0")
+    assert change("meanflow", ["objective.alpha_steps=null"]) is None and change("flow_matching", []) is None
+    assert change("rcm", ["objective.dmd_start=0"]) is None and change("scd", []) is None
     assert quality.steps_for_budget(194, 70.0) == 2770  # 194 s / 70 ms
     assert quality.steps_for_budget(194, 50.0, end=2000, ms_after=70.0) == 2000 + 1340  # 100 s, then 94 s / 70 ms
     assert quality.steps_for_budget(50, 50.0, end=2000, ms_after=70.0) == 1000  # the budget ends inside the curriculum
