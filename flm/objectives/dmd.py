@@ -107,7 +107,7 @@ class DMDRegularised:
         self.dmd_start, self.distill_weight = dmd_start, distill_weight
         self.dmd_weight, self.dmd_t_mean, self.dmd_t_std = dmd_weight, dmd_t_mean, dmd_t_std
         self.fake_updates = fake_updates
-        build = functools.partial(load_teacher, self.teacher)
+        build = functools.partial(load_teacher, self.teacher, ema=self.teacher_ema)  # the fake score starts as the teacher
         optim = fake_score_optim(fake_lr, fake_betas, fake_weight_decay)
         self.networks = {**self.networks, "fake_score": Network(build=build, trainable=True, optim=optim)}
 

@@ -138,7 +138,7 @@ from flm.objectives.frequency import first_k_hf_weight, squared_error
 from flm.objectives.paths import LinearPath, bcast, logit_normal, ramp, time_grid
 from flm.objectives.posterior import DataVelocity
 from flm.objectives.protocol import NO_NETWORKS, Network
-from flm.objectives.teacher import feature_blocks, load_teacher, teacher_features, teacher_velocity
+from flm.objectives.teacher import check_teacher_ema, feature_blocks, load_teacher, teacher_features, teacher_velocity
 
 
 TANGENTS = ("sample", "model")
@@ -217,6 +217,7 @@ class MeanFlow(Curricular, nn.Module):
             (see the module docstring); False: on the whole batch, r != t drawn per sample (the paper's).
         teacher: a flow-matching run folder or checkpoint whose velocity replaces v (null: none).
         teacher_cfg_scale: the teacher's classifier-free guidance (1.0: none).
+        teacher_ema: which of the teacher run's EMAs the teacher (and the student's start) takes (sCD's option).
         cfg_interval: [t_min, t_max]: guidance in training and the sampler's guidance only for t in it
             (flm.objectives.guidance); null: at every t.
         mid_t: intermediate times of few-step sampling, decreasing in (0, 1), used when steps == len(mid_t) + 1
@@ -270,6 +271,7 @@ class MeanFlow(Curricular, nn.Module):
         jvp_subset: bool = False,
         teacher: str | None = None,
         teacher_cfg_scale: float = 1.0,
+        teacher_ema: float | str | None = None,
         cfg_interval: tuple[float, float] | None = None,
         mid_t: tuple[float, ...] = (),
         velocity_estimate: str = "sample",
@@ -376,7 +378,9 @@ class MeanFlow(Curricular, nn.Module):
             )
         if not teacher_cfg_scale >= 1.0:
             raise ValueError(f"teacher_cfg_scale must be >= 1.0 (1.0: no guidance), got {teacher_cfg_scale!r}")
-        self.teacher, self.teacher_cfg_scale = teacher, teacher_cfg_scale
+        self.teacher, self.teacher_cfg_scale, self.teacher_ema = teacher, teacher_cfg_scale, check_teacher_ema(teacher_ema)
+        if teacher_ema is not None and not teacher:
+            raise ValueError(f"teacher_ema={teacher_ema!r} names a teacher's EMA, and there is no teacher; set objective.teacher")
         self.cfg_interval = check_interval(cfg_interval)
         if split_target not in SPLIT_TARGETS:
             raise ValueError(f"unknown split_target {split_target!r}; valid split targets: {', '.join(SPLIT_TARGETS)}")
@@ -396,7 +400,8 @@ class MeanFlow(Curricular, nn.Module):
         # the loop passes the EMA of this decay to loss() as `ema` (flm.train.loop.build_state)
         self.target_ema_decay = split_ema if "ema" in (split_target, target_velocity) else None
         if teacher:
-            self.networks = {"teacher": Network(build=functools.partial(load_teacher, teacher), model_init=True)}
+            build = functools.partial(load_teacher, teacher, ema=self.teacher_ema)
+            self.networks = {"teacher": Network(build=build, model_init=True)}
         if not (0 <= perceptual_weight < math.inf and 0 <= perceptual_t < 1):
             raise ValueError(
                 f"perceptual_weight must be a finite weight >= 0 and perceptual_t a time in [0, 1), got "

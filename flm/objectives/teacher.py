@@ -112,10 +112,20 @@ def check_teacher(source: str, bundle: dict, student_args: dict) -> dict:
     return args
 
 
-def load_teacher(path: str, student_args: dict) -> nn.Module:
-    """The flow-matching network of `path` (a run folder: its latest checkpoint; or a .pt file) with its
-    first EMA's weights, built with the student's attention backend; checked against the student's
-    build arguments (check_teacher)."""
+def check_teacher_ema(ema):
+    """objective.teacher_ema: None (the teacher run's first EMA), a decay in (0, 1) or an EMA's name ("sigma_rel0.05")."""
+    if ema is None or (isinstance(ema, str) and ema) or (isinstance(ema, float) and 0 < ema < 1):
+        return ema
+    raise ValueError(
+        f"teacher_ema must be null (the teacher run's first EMA), an EMA decay in (0, 1) such as 0.99, or an EMA's "
+        f"name such as sigma_rel0.05, got {ema!r}"
+    )
+
+
+def load_teacher(path: str, student_args: dict, ema=None) -> nn.Module:
+    """The flow-matching network of `path` (a run folder: its latest checkpoint; or a .pt file) with the weights of
+    its EMA `ema` (check_teacher_ema; None: its first), built with the student's attention backend; checked against
+    the student's build arguments (check_teacher)."""
     from flm.models import build_model
     from flm.train import checkpoint
     from flm.train.generator import generator_state
@@ -124,5 +134,9 @@ def load_teacher(path: str, student_args: dict) -> nn.Module:
     bundle = checkpoint.load(source)
     args = check_teacher(source, bundle, student_args)
     teacher = build_model(**{**args, "attention": student_args.get("attention", "auto")})
-    teacher.load_state_dict(generator_state(bundle, "ema"))
+    try:
+        state = generator_state(bundle, "ema", ema=ema)
+    except ValueError as err:
+        raise ValueError(f"teacher {source!r}: {err}; set objective.teacher_ema to one of them (null: the first)") from None
+    teacher.load_state_dict(state)
     return teacher

@@ -75,6 +75,33 @@ def test_the_teacher_stays_frozen_and_the_student_starts_from_it(tmp_path, teach
         torch.testing.assert_close(student["ema"]["0.9"][k], v, rtol=0, atol=1e-6)
 
 
+def test_teacher_ema_picks_the_teacher_runs_average(tmp_path, teacher, train_run):
+    """objective.teacher_ema names which of the teacher run's EMAs the teacher is and the student starts from (the
+    fake score too); null takes the first; a missing one is a ValueError naming the option."""
+    bundle = checkpoint.load(checkpoint.find_checkpoint(str(teacher / "flow_matching")))
+    first = next(iter(bundle["ema"]))
+    other = {k: v * 0.9 for k, v in bundle["ema"][first].items()}  # an average unlike the first
+    bundle["ema"] = {first: bundle["ema"][first], "0.5": other}
+    path = str(tmp_path / "teacher.pt")
+    checkpoint.save(bundle, path)
+    args = bundle["model_args"]
+    assert_same_state(load_teacher(path, args).state_dict(), bundle["ema"][first])
+    assert_same_state(load_teacher(path, args, ema=0.5).state_dict(), other)
+    with pytest.raises(ValueError, match=r"teacher_ema"):
+        load_teacher(path, args, ema=0.25)
+    for bad in (1.5, 0, True, ""):
+        with pytest.raises(ValueError, match=r"teacher_ema must be"):
+            RCM(teacher=path, teacher_ema=bad)
+
+    overrides = ["objective=rcm", f"objective.teacher={path}", "objective.teacher_ema=0.5", *STUDENT]
+    train_run(tmp_path / "student", [*overrides, "optim.lr=1e-12", "objective.fake_lr=1e-12", "trainer.ema_decays=[0.9]"])
+    student = checkpoint.load(checkpoint.find_checkpoint(str(tmp_path / "student")))
+    for k, v in other.items():  # lr 1e-12: the student, its EMA and its fake score still are that average
+        torch.testing.assert_close(student["model"][k], v, rtol=0, atol=1e-6)
+        torch.testing.assert_close(student["ema"]["0.9"][k], v, rtol=0, atol=1e-6)
+        torch.testing.assert_close(student["fake_score"][k], v, rtol=0, atol=1e-6)
+
+
 @pytest.mark.parametrize(
     "name, extra",
     [
