@@ -92,8 +92,11 @@ def unpack_duals(q, k, v, bias=None):
     A q, k or v without a tangent (say keys from a t-independent context) gets a zero tangent; a bias
     without one keeps None (the fused kernel then skips the bias tangent).
     """
-    unpacked = [forward_ad.unpack_dual(x) for x in (q, k, v)]
-    bias_, tbias = (None, None) if bias is None else forward_ad.unpack_dual(bias)
+    # forward AD has one level, 0; naming it spares Dynamo a read of forward_ad's current level, which (torch 2.14) breaks
+    # a later torch.func.jvp in the same compiled code: sCD's teacher forward before the student's JVP
+    level = 0 if torch.compiler.is_compiling() else None
+    unpacked = [forward_ad.unpack_dual(x, level=level) for x in (q, k, v)]
+    bias_, tbias = (None, None) if bias is None else forward_ad.unpack_dual(bias, level=level)
     if all(u.tangent is None for u in unpacked) and tbias is None:
         return (q, k, v, bias), None
     primals = tuple(u.primal for u in unpacked)

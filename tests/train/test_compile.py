@@ -60,3 +60,26 @@ def test_an_unknown_compile_mode_is_refused():
 
     with pytest.raises(ValueError, match="trainer.compile_mode must be one of default, reduce-overhead.*got 'fast'"):
         TrainerConfig(compile=True, compile_mode="fast")
+
+
+@pytest.mark.parametrize("attention", ["math", "triton_jvp"])
+@pytest.mark.parametrize("name, phase", [("scd", None), ("rcm", "model")])
+def test_a_students_loss_compiles_as_one_graph(attention, name, phase):
+    """sCD's teacher forward runs before the student's torch.func.jvp in one compiled loss. Reading forward AD's
+    current level in that forward (the attention's dual check) made Dynamo fail the JVP (torch 2.14) and fall back
+    to eager for the whole loss; fullgraph=True turns such a break into an error."""
+    from flm.models import build_model
+    from flm.objectives import build_objective
+
+    def dit():
+        return build_model("DiT-T/4", input_size=8, in_channels=1, num_classes=10, attention=attention, time_inputs=1)
+
+    torch.manual_seed(0)
+    model, teacher = dit(), dit().requires_grad_(False)
+    objective = build_objective(name, teacher="unused", jvp_mode="func")
+    networks = {"teacher": teacher} | ({"fake_score": dit()} if name == "rcm" else {})
+    x, y = torch.randn(4, 1, 8, 8), torch.randint(0, 10, (4,))
+    loss = torch.compile(objective.loss, fullgraph=True)
+    out, _ = loss(model, x, y, step=torch.tensor(10**6), **({"phase": phase} if phase else {}), **networks)
+    total = sum(out.values()) if isinstance(out, dict) else out
+    assert torch.isfinite(total) and total.requires_grad
