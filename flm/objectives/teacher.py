@@ -137,6 +137,8 @@ def load_teacher(path: str, student_args: dict, ema=None) -> nn.Module:
     try:
         state = generator_state(bundle, "ema", ema=ema)
     except ValueError as err:
+        if ema is None:  # a teacher without any EMA: nothing teacher_ema could name
+            raise
         raise ValueError(f"teacher {source!r}: {err}; set objective.teacher_ema to one of them (null: the first)") from None
     teacher.load_state_dict(state)
     return teacher
