@@ -229,6 +229,7 @@ def test_a_students_two_step_time_is_a_sampling_option(tmp_path, teacher, train_
         (["objective.teacher={teacher}/flow_matching", "trainer.class_conditional=false"], "class count 10 vs the student's 0"),
         (["objective.teacher={teacher}/flow_matching", "model=DiT-T/2"], "model size 'DiT-T/4' vs the student's 'DiT-T/2'"),
         (["objective.teacher={teacher}/flow_matching", "model.cond_norm=true"], "(model.cond_norm) False vs the student's True"),
+        (["objective.teacher={teacher}/flow_matching", "objective.teacher_ema=0.25"], "set objective.teacher_ema to one of them"),
     ],
 )
 def test_a_bad_teacher_is_one_error_line_and_nothing_written(tmp_path, teacher, override, message):
