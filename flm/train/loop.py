@@ -62,7 +62,7 @@ from flm.train.settings import (
     local_batch_size,
     takes_jvp,
 )
-from flm.train.state import TrainState, key
+from flm.train.state import TrainState, key, total_loss
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -147,9 +147,9 @@ def build_state(
 def accumulate(
     state: TrainState, loss_and_backward, trainer: TrainerConfig, device, *, conditional: bool, keep_metrics: bool
 ) -> tuple[torch.Tensor, dict, tuple[str, ...]]:
-    """One step's micro-batches: batch -> loss -> backward. (mean loss, the objective's mean metrics,
-    the networks the step updates)."""
-    loss_step, metrics, updates = torch.zeros((), device=device), {}, None
+    """One step's micro-batches: batch -> loss -> backward. ({network: its mean loss}, the objective's mean
+    metrics, the networks the step updates)."""
+    losses_step, metrics, updates = {}, {}, None
     for micro in range(trainer.grad_accum):
         # per step and per micro-batch, numbered over the whole step (the loader's order): resumes
         # exactly, and N ranks x A accumulation steps draw what one rank with N x A steps draws
@@ -157,13 +157,14 @@ def accumulate(
         x, y = state.loader.next()
         x, y = to_device(x, device), (to_device(y, device) if conditional else None)
         with grad_sync(state.wrapped, micro == trainer.grad_accum - 1):
-            loss, extra, step_updates = loss_and_backward(x, y, state.step)
+            losses, extra, step_updates = loss_and_backward(x, y, state.step)
         assert updates in (None, step_updates), "an objective's updates must depend on the step alone"
         updates = step_updates
-        loss_step += loss.detach().float() / trainer.grad_accum
+        for name, loss in losses.items():  # new tensors: a graph's outputs are overwritten by its next replay
+            losses_step[name] = losses_step.get(name, 0.0) + loss.detach().float() / trainer.grad_accum
         for k, v in extra.items() if keep_metrics else ():  # only the logged steps' metrics are read
             metrics[k] = metrics.get(k, 0.0) + torch.as_tensor(v).detach().float() / trainer.grad_accum
-    return loss_step, metrics, updates
+    return losses_step, metrics, updates
 
 
 class Meter:
@@ -181,10 +182,12 @@ class Meter:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         seconds = time.perf_counter() - self.t_window
+        losses = state.outcomes.mean_losses()
         metrics = {
             # the objective's, of the last step: the mean over its micro-batches and ranks, as one rank logs it
             **{k: dist.all_mean(v).item() for k, v in objective_metrics.items()},
-            "loss": dist.all_mean(torch.tensor(state.outcomes.mean_loss(), device=device)).item(),
+            # each network's mean loss over the window's steps that trained it: "loss" the model's, "fake_score.loss" ...
+            **{key(name, "loss"): dist.all_mean(torch.tensor(v, device=device)).item() for name, v in losses.items()},
             **{key(name, "grad_norm"): norm.item() for name, norm in grad_norms.items()},  # the step's updated networks
             "lr": state.optimizers["model"].lr,
             "images_per_s": trainer.batch_size * self.steps / seconds,
@@ -389,14 +392,14 @@ def train(
             phase_arg = {} if phase is None else {"phase": phase}
             step = to_device(torch.tensor(step), device) if compiled and isinstance(step, int) else step
             loss, extra = objective_loss(state.wrapped, x, y, step=step, **phase_arg, **state.extras)
-        loss, updates = state.losses(loss)
+        losses, updates = state.losses(loss)
         if trainer.cuda_graph and phase is None and updates != tuple(state.optimizers):
             raise ValueError(
                 f"trainer.cuda_graph=true replays one captured step, and {type(objective).__name__} alternates the "
                 f"networks it updates without a phase(step) method to capture each kind of step by; set trainer.cuda_graph=false"
             )
-        (loss / trainer.grad_accum).backward()
-        return loss, extra, updates
+        (total_loss(losses) / trainer.grad_accum).backward()
+        return losses, extra, updates
 
     def eager_step(x, y, step):
         return loss_and_backward(x, y, step, phase_at(step))
@@ -421,11 +424,11 @@ def train(
         while state.step < trainer.max_steps:
             logs = (state.step + 1) % trainer.log_every == 0 or state.step + 1 == trainer.max_steps
             saves = state.step + 1 == trainer.max_steps or (trainer.ckpt_every and (state.step + 1) % trainer.ckpt_every == 0)
-            loss, objective_metrics, updates = accumulate(
+            losses, objective_metrics, updates = accumulate(
                 state, step_fn, trainer, device, conditional=num_classes > 0, keep_metrics=logs
             )
             state.outcomes.settle()  # the previous step's outcome, long computed by now: the GPU has this step's work queued
-            grad_norms = state.update(loss, updates)
+            grad_norms = state.update(losses, updates)
             meter.steps += 1
             if trainer.sync_check_every and (state.step == step_start + 1 or state.step % trainer.sync_check_every == 0):
                 dist.check_in_sync(state.step, *state.modules())

@@ -15,7 +15,9 @@ Networks, EMAs and optimizers hold whole tensors in the bundle (gathered from FS
 checkpoint resumes under one process, DDP or FSDP2, with any number of ranks.
 """
 
+import functools
 import math
+import operator
 from collections.abc import Mapping
 
 import torch
@@ -65,6 +67,11 @@ class Weights:
 
     def load_state_dict(self, state: dict) -> None:
         checkpoint.load_model_state(self.module, state)
+
+
+def total_loss(losses: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The sum of the networks' losses (one network's loss is itself: no extra kernel)."""
+    return functools.reduce(operator.add, losses.values())
 
 
 def key(network: str, part: str) -> str:
@@ -187,29 +194,31 @@ class TrainState:
                 f"Lower optim.lr, then resume from the last checkpoint or start anew"
             )
 
-    def losses(self, loss) -> tuple[torch.Tensor, tuple[str, ...]]:
-        """An objective's loss as (what to backward, the networks this step updates): one tensor
-        updates every network; a dict {network: loss} the networks it names (flm.objectives.protocol)."""
+    def losses(self, loss) -> tuple[dict[str, torch.Tensor], tuple[str, ...]]:
+        """An objective's loss as ({network: its loss}, the networks this step updates): one tensor is the
+        model's loss and updates every network; a dict {network: loss} the networks it names
+        (flm.objectives.protocol). The step backwards their sum."""
         if not isinstance(loss, Mapping):
-            return loss, tuple(self.optimizers)
+            return {"model": loss}, tuple(self.optimizers)
         unknown = sorted(set(loss) - set(self.optimizers))
         if unknown or not loss:
             raise ValueError(
                 f"{type(self.objective).__name__}.loss returned losses for {sorted(loss)}; the networks "
                 f"it can update are {', '.join(self.optimizers)}"
             )
-        return sum(loss.values()), tuple(name for name in self.optimizers if name in loss)
+        return dict(loss), tuple(name for name in self.optimizers if name in loss)
 
-    def update(self, loss: torch.Tensor, updates: tuple[str, ...]) -> dict[str, torch.Tensor]:
-        """Clip, then step the optimizers of `updates` (and the EMAs with "model") unless the loss or a
+    def update(self, losses: dict[str, torch.Tensor], updates: tuple[str, ...]) -> dict[str, torch.Tensor]:
+        """Clip, then step the optimizers of `updates` (and the EMAs with "model") unless a loss or a
         gradient norm is not finite on some rank (decided on the device); record the outcome. Returns
         each stepped network's gradient norm."""
+        loss = total_loss(losses)
         norms = {name: self.optimizers[name].clip() for name in updates}
         finite = dist.all_min((torch.isfinite(loss) & torch.isfinite(torch.stack(list(norms.values()))).all()).float())
         for name in updates:
             self.optimizers[name].step(skip=1.0 - finite)
         if "model" in updates:
             self.ema.update(self.model, self.step, apply=finite)
-        self.outcomes.record(self.step, loss, finite, next(iter(norms.values())))
+        self.outcomes.record(self.step, losses, finite, next(iter(norms.values())))
         self.step += 1
         return norms

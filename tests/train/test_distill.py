@@ -144,8 +144,14 @@ def test_stop_and_resume_is_bit_exact_with_every_network(tmp_path, teacher, trai
         assert_same_state(whole[key], split[key], key)
     metrics = [json.loads(line) for line in open(tmp_path / "whole" / "metrics.jsonl")]
     delayed = "objective.dmd_start=2" in extra
+    for m in metrics:  # each network's loss under its own key; a window of one step: the objective's figures
+        for network, figure in (("fake_score", "fake_loss"), ("discriminator", "disc_loss")):
+            assert (f"{network}.loss" in m) == (figure in m)
+            if figure in m:
+                assert m[f"{network}.loss"] == pytest.approx(m[figure], rel=1e-5)
     if name == "rcm" and not delayed:  # steps 1 and 3 update the fake score, steps 2 and 4 the student
         assert ["fake_loss" in m for m in metrics] == [True, False, True, False]
+        assert ["loss" in m for m in metrics] == [False, True, False, True]  # the student's alone
         assert ["dmd" in m and "grad_norm" in m for m in metrics] == [False, True, False, True]
         assert "fake_score.grad_norm" in metrics[0]
     if name == "rcm" and delayed:  # dmd_start 2: the student alone at steps 1 and 2, then the fake score, then both

@@ -198,9 +198,11 @@ def read_losses(run_dir):
     import json
 
     rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
-    # a phase change (rCM's dmd_start) changes the logged keys: mse only where every step has one
-    key = "mse" if all("mse" in row for row in rows) else "loss"
-    return [row[key] for row in rows]
+    # a phase change (rCM's dmd_start) changes the logged keys: mse only where every step has one, else the sum of
+    # the losses of the networks each step trained ("loss" the model's, "fake_score.loss", ...)
+    if all("mse" in row for row in rows):
+        return [row["mse"] for row in rows]
+    return [sum(v for k, v in row.items() if k == "loss" or k.endswith(".loss")) for row in rows]
 
 
 @pytest.mark.gpu

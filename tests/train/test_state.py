@@ -104,3 +104,24 @@ def test_a_checkpoint_without_the_networks_says_so(tmp_path, cfg_of, train_run):
     train_run(tmp_path, ["trainer.max_steps=1", "objective=flow_matching"])
     with pytest.raises(ValueError, match="lacks fake_score, fake_score.optimizer, fake_score.scheduler"):
         train_distill(tmp_path, cfg_of, ["trainer.max_steps=2", "trainer.resume=auto"])
+
+
+def test_each_network_logs_its_mean_loss_over_the_steps_that_trained_it():
+    """A DMD student and its fake score alternate: the window keeps each network's loss apart, and a mean counts only
+    the steps that trained that network (a skipped step counts, with nothing added)."""
+    from flm.train.outcome import Outcomes
+
+    outcomes, t = Outcomes(max_nonfinite=3), torch.tensor
+    steps = [({"fake_score": t(4.0)}, 1.0), ({"model": t(2.0), "fake_score": t(6.0)}, 1.0), ({"model": t(float("nan"))}, 0.0)]
+    for losses, finite in steps:
+        outcomes.record(0, losses, t(finite), t(1.0))
+        outcomes.settle()
+    assert outcomes.mean_losses() == {"model": 1.0, "fake_score": 5.0}
+    assert outcomes.mean_losses() == {}  # a new window
+    outcomes.record(0, {"fake_score": t(3.0)}, t(1.0), t(1.0))
+    outcomes.settle()
+    resumed = Outcomes(max_nonfinite=3)
+    resumed.window.load_state_dict(outcomes.window.state_dict())
+    assert resumed.mean_losses() == {"fake_score": 3.0}
+    resumed.window.load_state_dict({"loss_sum": 2.5, "steps": 1})  # written before the window kept other networks
+    assert resumed.mean_losses() == {"model": 2.5}
