@@ -43,6 +43,9 @@ def progress_line(step: int, max_steps: int, metrics: dict, elapsed: float, eta:
     parts = [f"step {step}/{max_steps} [{'#' * filled}{'.' * (width - filled)}] {100 * step / max(max_steps, 1):3.0f}%"]
     if "loss" in metrics:
         parts.append(f"loss {metrics['loss']:.4f}")
+    for name, value in metrics.items():  # a distillation's other networks: "fake_score.loss" -> "fake_score 0.1234"
+        if name.endswith(".loss"):
+            parts.append(f"{name[: -len('.loss')]} {value:.4f}")
     if "mse" in metrics:
         parts.append(f"mse {metrics['mse']:.4f}")
     if "images_per_s" in metrics:
