@@ -168,9 +168,8 @@ def cast_cache(enabled: bool = True):
 def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     # Compiled code casts plainly: the cache's dict and version checks broke Dynamo's graph at every linear under
     # bf16 autocast (a compiled step then ran ~3x slower than the graphed one), and inductor shares repeated casts.
-    if _casts is None or _compiling() or t.dtype == dtype or not isinstance(t, nn.Parameter):
-        return t.to(dtype)
-    if torch.is_inference_mode_enabled():
+    plain = _casts is None or _compiling() or t.dtype == dtype or not isinstance(t, nn.Parameter)
+    if plain or torch.is_inference_mode_enabled():
         return t.to(dtype)
     hit = _casts.get(id(t))
     if hit is not None and hit[0] is t and hit[1] == t._version and hit[2].dtype == dtype:

@@ -32,6 +32,8 @@ and a checkpoint holds whole tensors, so it resumes under DDP, FSDP2 or one proc
 
 import contextlib
 import dataclasses
+import functools
+import operator
 import os
 import time
 
@@ -62,7 +64,12 @@ from flm.train.settings import (
     local_batch_size,
     takes_jvp,
 )
-from flm.train.state import TrainState, key, total_loss
+from flm.train.state import TrainState, key
+
+
+def total_loss(losses: dict[str, torch.Tensor]) -> torch.Tensor:
+    """What a step backwards: the sum of its networks' losses (one network's loss is itself: no extra kernel)."""
+    return functools.reduce(operator.add, losses.values())
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -146,7 +153,7 @@ def build_state(
 
 def accumulate(
     state: TrainState, loss_and_backward, trainer: TrainerConfig, device, *, conditional: bool, keep_metrics: bool
-) -> tuple[torch.Tensor, dict, tuple[str, ...]]:
+) -> tuple[dict[str, torch.Tensor], dict, tuple[str, ...]]:
     """One step's micro-batches: batch -> loss -> backward. ({network: its mean loss}, the objective's mean
     metrics, the networks the step updates)."""
     losses_step, metrics, updates = {}, {}, None

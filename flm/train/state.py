@@ -15,9 +15,7 @@ Networks, EMAs and optimizers hold whole tensors in the bundle (gathered from FS
 checkpoint resumes under one process, DDP or FSDP2, with any number of ranks.
 """
 
-import functools
 import math
-import operator
 from collections.abc import Mapping
 
 import torch
@@ -67,11 +65,6 @@ class Weights:
 
     def load_state_dict(self, state: dict) -> None:
         checkpoint.load_model_state(self.module, state)
-
-
-def total_loss(losses: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The sum of the networks' losses (one network's loss is itself: no extra kernel)."""
-    return functools.reduce(operator.add, losses.values())
 
 
 def key(network: str, part: str) -> str:
@@ -212,9 +205,8 @@ class TrainState:
         """Clip, then step the optimizers of `updates` (and the EMAs with "model") unless a loss or a
         gradient norm is not finite on some rank (decided on the device); record the outcome. Returns
         each stepped network's gradient norm."""
-        loss = total_loss(losses)
         norms = {name: self.optimizers[name].clip() for name in updates}
-        finite = dist.all_min((torch.isfinite(loss) & torch.isfinite(torch.stack(list(norms.values()))).all()).float())
+        finite = dist.all_min(torch.isfinite(torch.stack([*losses.values(), *norms.values()])).all().float())
         for name in updates:
             self.optimizers[name].step(skip=1.0 - finite)
         if "model" in updates:
