@@ -109,7 +109,9 @@ def steady_gpu_seconds(run_dir: str) -> float:
     """A run's training time (flm.log.training_seconds): each logged window's steps x its ms/step, the first window
     (compilation, capture) at the median of the others. A sum, not steps x median: a run whose steps change cost
     (MeanFlow's consistency curriculum, objective.alpha_steps, takes no JVP before its hand-over) is charged for each kind
-    of step. A resumed run's first window (after a time budget's probe) holds its capture too, and is charged as logged."""
+    of step. In runs logged before the forty-sixth day a resumed run's first window (after a time budget's probe) holds
+    its capture or compilation too, and is charged as logged; the loop now times each kind of step's first run apart
+    (warmup_s), out of every window."""
     logged_windows(run_dir)  # at least two, or the --probe-steps advice
     return training_seconds(read_metrics(run_dir))[-1][1]
 

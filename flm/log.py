@@ -54,6 +54,8 @@ def progress_line(step: int, max_steps: int, metrics: dict, elapsed: float, eta:
         parts.append(f"{metrics['step_ms']:.1f} ms/step")
     if "gpu_mem_gib" in metrics:
         parts.append(f"{metrics['gpu_mem_gib']:.2f} GiB")
+    if "warmup_s" in metrics:  # compilation, capture: left out of ms/step
+        parts.append(f"warm-up {metrics['warmup_s']:.1f} s")
     parts.append(f"{_duration(elapsed)}<{_duration(eta)}")
     return " | ".join(parts)
 
@@ -95,7 +97,9 @@ def training_seconds(records: list[dict]) -> list[tuple[int, float]]:
     steps x its ms/step, except the first (compilation, CUDA-graph capture) and any window that holds an in-loop
     evaluation (in runs logged before the loop paused its meter around evaluations, grids and checkpoints, that
     window's step_ms counts the sampling too), which are charged at the median of the others. A sum, not steps x
-    one figure: a run whose steps change cost (MeanFlow's consistency curriculum) is charged for each kind."""
+    one figure: a run whose steps change cost (MeanFlow's consistency curriculum) is charged for each kind. Since the
+    forty-sixth day the loop leaves each kind of step's first run in a process out of its window (logged as
+    warmup_s), so a resumed run's or a new phase's compilation and capture are no longer charged either."""
     windows = [r for r in records if "step_ms" in r]
     evals = sorted(r["step"] for r in records if any(k.startswith(("fid_steps", "label_acc_steps")) for k in r))
     if len(windows) < 2:

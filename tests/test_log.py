@@ -10,3 +10,9 @@ def test_the_progress_line_names_each_trained_networks_loss():
     assert "fake_loss" not in line  # the objective's own figures stay in metrics.jsonl
     alone = progress_line(11, 100, {"fake_score.loss": 0.5}, elapsed=5.0, eta=45.0)  # a window of fake-score steps
     assert "| fake_score 0.5000 |" in alone and "| loss" not in alone
+
+
+def test_the_progress_line_shows_a_windows_warm_up_apart():
+    line = progress_line(50, 100, {"loss": 0.1, "step_ms": 40.0, "warmup_s": 70.3}, elapsed=75.0, eta=2.0)
+    assert "| 40.0 ms/step | warm-up 70.3 s |" in line
+    assert "warm-up" not in progress_line(100, 100, {"loss": 0.1, "step_ms": 40.0}, elapsed=77.0, eta=0.0)

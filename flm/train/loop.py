@@ -176,11 +176,14 @@ def accumulate(
 
 class Meter:
     """Throughput since the last log, and the time since the run (re)started. The grids, evaluations and
-    checkpoints between steps are left out of the window (`paused`), so step_ms is the steps' own time."""
+    checkpoints between steps are left out of the window (`paused`), and so is each kind of step's first run in this
+    process (`warming`: compilation, CUDA-graph capture, autotuning; logged apart as warmup_s), so step_ms is the
+    steps' steady time. A window of warm-ups alone reports theirs."""
 
     def __init__(self, step: int):
         self.t_start = self.t_window = time.perf_counter()
         self.step_start, self.steps = step, 0
+        self.warmups, self.warmup_s = 0, 0.0
 
     def metrics(
         self, state: TrainState, trainer: TrainerConfig, device, objective_metrics: dict, grad_norms: dict[str, torch.Tensor]
@@ -189,6 +192,9 @@ class Meter:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         seconds = time.perf_counter() - self.t_window
+        steps = self.steps
+        if not steps:  # the window's steps were all warm-ups
+            seconds, steps = self.warmup_s, self.warmups
         losses = state.outcomes.mean_losses()
         metrics = {
             # the objective's, of the last step: the mean over its micro-batches and ranks, as one rank logs it
@@ -197,14 +203,16 @@ class Meter:
             **{key(name, "loss"): dist.all_mean(torch.tensor(v, device=device)).item() for name, v in losses.items()},
             **{key(name, "grad_norm"): norm.item() for name, norm in grad_norms.items()},  # the step's updated networks
             "lr": state.optimizers["model"].lr,
-            "images_per_s": trainer.batch_size * self.steps / seconds,
-            "step_ms": 1000 * seconds / self.steps,
+            "images_per_s": trainer.batch_size * steps / seconds,
+            "step_ms": 1000 * seconds / steps,
             "nonfinite_steps": state.outcomes.nonfinite.total,
             "epoch": state.loader.epoch,
         }
         if device.type == "cuda":
             metrics["gpu_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-        self.t_window, self.steps = time.perf_counter(), 0
+        if self.warmups:
+            metrics["warmup_s"] = self.warmup_s
+        self.t_window, self.steps, self.warmups, self.warmup_s = time.perf_counter(), 0, 0, 0.0
         return metrics
 
     @contextlib.contextmanager
@@ -216,6 +224,22 @@ class Meter:
             yield
         finally:
             self.t_window += time.perf_counter() - t0
+
+    @contextlib.contextmanager
+    def warming(self, device):
+        """A step that compiles or captures: out of the window, its GPU work included, and into warmup_s."""
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            seconds = time.perf_counter() - t0
+            self.t_window += seconds
+            self.warmup_s += seconds
+            self.warmups += 1
 
     def progress(self, step: int, max_steps: int, metrics: dict) -> str:
         elapsed = time.perf_counter() - self.t_start
@@ -423,7 +447,7 @@ def train(
 
     step_fn = graphed_step if trainer.cuda_graph else eager_step
 
-    metrics, meter, step_start = {}, Meter(state.step), state.step
+    metrics, meter, step_start, kinds_run = {}, Meter(state.step), state.step, set()
     state.wrapped.train()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -431,12 +455,17 @@ def train(
         while state.step < trainer.max_steps:
             logs = (state.step + 1) % trainer.log_every == 0 or state.step + 1 == trainer.max_steps
             saves = state.step + 1 == trainer.max_steps or (trainer.ckpt_every and (state.step + 1) % trainer.ckpt_every == 0)
-            losses, objective_metrics, updates = accumulate(
-                state, step_fn, trainer, device, conditional=num_classes > 0, keep_metrics=logs
-            )
-            state.outcomes.settle()  # the previous step's outcome, long computed by now: the GPU has this step's work queued
-            grad_norms = state.update(losses, updates)
-            meter.steps += 1
+            # each kind of step compiles, captures or autotunes on its first run in this process: timed apart
+            kind = phase_at(state.step)
+            warms = kind not in kinds_run
+            kinds_run.add(kind)
+            with meter.warming(device) if warms else contextlib.nullcontext():
+                losses, objective_metrics, updates = accumulate(
+                    state, step_fn, trainer, device, conditional=num_classes > 0, keep_metrics=logs
+                )
+                state.outcomes.settle()  # the previous step's outcome, long computed by now: the GPU has this step's work queued
+                grad_norms = state.update(losses, updates)
+            meter.steps += not warms
             if trainer.sync_check_every and (state.step == step_start + 1 or state.step % trainer.sync_check_every == 0):
                 dist.check_in_sync(state.step, *state.modules())
             if logs or saves:

@@ -316,6 +316,35 @@ def test_an_scm_run_without_adaptive_weighting_has_no_objective_state(tmp_path, 
         assert_same_state(whole[key], split[key], key)
 
 
+def test_step_ms_leaves_out_each_kind_of_steps_first_run(tmp_path, train_run, monkeypatch):
+    """The first step of a process (where torch.compile compiles and a CUDA graph is captured) is timed apart as
+    warmup_s, out of its window's step_ms; so is the first step after a resume, and a window of that step alone
+    reports it."""
+    import time
+
+    from flm.train import loop
+
+    real, calls = loop.accumulate, []
+
+    def slow_first(*args, **kwargs):  # a 1 s warm-up in each process's first step
+        calls.append(args[0].step)
+        if len(calls) == 1:
+            time.sleep(1.0)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "accumulate", slow_first)
+    train_run(tmp_path, ["trainer.ckpt_every=4"])
+    calls.clear()
+    train_run(tmp_path, ["trainer.max_steps=6", "trainer.log_every=1", "trainer.resume=auto"])
+    windows = {m["step"]: m for m in read_metrics(tmp_path)}
+    assert sorted(windows) == [2, 4, 5, 6]
+    assert windows[2]["warmup_s"] >= 1.0 and windows[5]["warmup_s"] >= 1.0  # the first step of each process
+    assert "warmup_s" not in windows[4] and "warmup_s" not in windows[6]
+    # a DiT-T/4 step takes ~10-30 ms here (up to ~300 on a busy CPU): the 1 s counted in the 2-step window would
+    # read 500 ms a step; the window of the warm-up alone reports it
+    assert windows[2]["step_ms"] < 450 and windows[5]["step_ms"] >= 1000, windows
+
+
 def test_step_ms_leaves_out_grids_and_checkpoints(tmp_path, train_run, monkeypatch):
     """A window's step_ms is the steps' own time: a slow grid (at step 2, the end of the first window) and slow
     checkpoint writes (every step) fall outside every window."""
