@@ -227,19 +227,14 @@ class Meter:
 
     @contextlib.contextmanager
     def warming(self, device):
-        """A step that compiles or captures: out of the window, its GPU work included, and into warmup_s."""
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        try:
+        """A step that compiles or captures: paused, its own GPU work included, and its time into warmup_s."""
+        window_start = self.t_window
+        with self.paused(device):
             yield
-        finally:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            seconds = time.perf_counter() - t0
-            self.t_window += seconds
-            self.warmup_s += seconds
-            self.warmups += 1
+        self.warmup_s += self.t_window - window_start  # what `paused` moved the window's start by
+        self.warmups += 1
 
     def progress(self, step: int, max_steps: int, metrics: dict) -> str:
         elapsed = time.perf_counter() - self.t_start
@@ -465,7 +460,8 @@ def train(
                 )
                 state.outcomes.settle()  # the previous step's outcome, long computed by now: the GPU has this step's work queued
                 grad_norms = state.update(losses, updates)
-            meter.steps += not warms
+            if not warms:
+                meter.steps += 1
             if trainer.sync_check_every and (state.step == step_start + 1 or state.step % trainer.sync_check_every == 0):
                 dist.check_in_sync(state.step, *state.modules())
             if logs or saves:

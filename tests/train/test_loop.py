@@ -324,25 +324,25 @@ def test_step_ms_leaves_out_each_kind_of_steps_first_run(tmp_path, train_run, mo
 
     from flm.train import loop
 
-    real, calls = loop.accumulate, []
+    real_accumulate, real_clock, calls, lag = loop.accumulate, time.perf_counter, [], [0.0]
 
-    def slow_first(*args, **kwargs):  # a 1 s warm-up in each process's first step
+    def slow_first(*args, **kwargs):  # each process's first step "takes" 1000 s more, on a clock the test moves
         calls.append(args[0].step)
         if len(calls) == 1:
-            time.sleep(1.0)
-        return real(*args, **kwargs)
+            lag[0] += 1000.0
+        return real_accumulate(*args, **kwargs)
 
     monkeypatch.setattr(loop, "accumulate", slow_first)
+    monkeypatch.setattr(loop.time, "perf_counter", lambda: real_clock() + lag[0])
     train_run(tmp_path, ["trainer.ckpt_every=4"])
     calls.clear()
     train_run(tmp_path, ["trainer.max_steps=6", "trainer.log_every=1", "trainer.resume=auto"])
     windows = {m["step"]: m for m in read_metrics(tmp_path)}
     assert sorted(windows) == [2, 4, 5, 6]
-    assert windows[2]["warmup_s"] >= 1.0 and windows[5]["warmup_s"] >= 1.0  # the first step of each process
+    assert windows[2]["warmup_s"] >= 1000 and windows[5]["warmup_s"] >= 1000  # the first step of each process
     assert "warmup_s" not in windows[4] and "warmup_s" not in windows[6]
-    # a DiT-T/4 step takes ~10-30 ms here (up to ~300 on a busy CPU): the 1 s counted in the 2-step window would
-    # read 500 ms a step; the window of the warm-up alone reports it
-    assert windows[2]["step_ms"] < 450 and windows[5]["step_ms"] >= 1000, windows
+    # counted in its 2-step window the 1000 s would read 500,000 ms a step; a window of the warm-up alone reports it
+    assert windows[2]["step_ms"] < 50_000 and windows[5]["step_ms"] >= 1_000_000, windows
 
 
 def test_step_ms_leaves_out_grids_and_checkpoints(tmp_path, train_run, monkeypatch):
