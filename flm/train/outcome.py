@@ -91,12 +91,12 @@ class Outcomes:
             event.synchronize()
         finite, norm, *losses = values.tolist()
         losses = dict(zip(networks, losses))
-        loss = losses["model"] if list(losses) == ["model"] else losses
         counts = self.nonfinite
         if finite == 1.0:
             counts.in_a_row = 0
         else:
             counts.total, counts.in_a_row = counts.total + 1, counts.in_a_row + 1
+            loss = losses["model"] if list(losses) == ["model"] else losses  # the warning names a lone model's loss plainly
             log.warning(
                 f"step {step}: non-finite loss {loss} or grad norm {norm}; "
                 f"skipped ({counts.in_a_row} in a row, {counts.total} in total){self.describe()}"
