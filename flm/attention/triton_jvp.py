@@ -414,7 +414,20 @@ def _warn_flash_attn_signature(err: Exception) -> None:
 
 def _op(op, impl):
     """The custom op while torch.compile traces; its Python body in eager mode (no dispatcher overhead)."""
-    return op if torch.compiler.is_compiling() else impl
+    return op if torch.compiler.is_compiling() or _tracing_fake() else impl
+
+
+def _tracing_fake() -> bool:
+    # AOTAutograd traces a custom op's registered backward under fake tensors; torch 2.11's is_compiling() is False
+    # there, and a Triton launch on a fake tensor fails (its data pointer)
+    return any(torch._C._get_dispatch_mode(key) is not None for key in _TRACING_MODES)
+
+
+_TRACING_MODES = (
+    torch._C._TorchDispatchModeKey.FAKE,
+    torch._C._TorchDispatchModeKey.PROXY,
+    torch._C._TorchDispatchModeKey.FUNCTIONAL,
+)
 
 
 # ---------------------------------------------------------------------------------------------

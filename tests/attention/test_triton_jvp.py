@@ -171,6 +171,17 @@ def test_a_compiled_jvp_takes_the_fused_kernel(monkeypatch):
         torch.testing.assert_close(got, want)
 
 
+def test_a_backward_traced_under_fake_tensors_takes_the_custom_op():
+    """AOTAutograd traces the fused op's registered backward under fake tensors, where torch 2.11's is_compiling() is
+    False (a compiled sCD loss failed on an H100): the backward must go through the opaque custom op there, not launch
+    Triton on a fake tensor; in eager mode it calls the Python body."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    assert triton_jvp._op("op", "body") == "body"
+    with FakeTensorMode():
+        assert triton_jvp._op("op", "body") == "op"
+
+
 def _fake_flash_attn_backward(
     dout,
     q,
