@@ -28,6 +28,8 @@ layers are their plain ops under compile, and the fused kernel's JVP op has an a
     PYTHONPATH=. python benchmarks/train_step.py --objectives flow_matching,meanflow,meanflow:jvp_subset=true
     PYTHONPATH=. python benchmarks/train_step.py --models DiT-B/2 --tokens 1024 --objectives meanflow,scm \
         --backends triton_jvp --modes dual --exec eager,graph --rounds 8           # eager / graph through host noise
+    PYTHONPATH=. python benchmarks/train_step.py --models DiT-S/2 --tokens 196 --batch-tokens 25088 --channels 1 \
+        --num-classes 10 --objectives flow_matching --backends triton_jvp --exec graph --profile  # GPU time by kernel kind
     PYTHONPATH=. python benchmarks/train_step.py --tiny                             # CPU smoke check
 
 An objective is NAME or NAME:KEY=VALUE[;KEY=VALUE...], its options as in configs/objective (the row is labelled
@@ -104,7 +106,11 @@ def parse_args(argv=None):
         help="eager, graph (loss + backward as one CUDA graph) and/or compile (torch.compile over the loss; JVP mode func); "
         "compile:MODE passes torch.compile's mode, e.g. compile:reduce-overhead (CUDA graphs over the compiled code)",
     )
-    p.add_argument("--profile", action="store_true", help="print torch.profiler's top kernels for each row")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="print torch.profiler's top ops for each row and, on a GPU, its kernels' time per step by kind (matmul, attention, copies, ...)",
+    )
     p.add_argument(
         "--count-ops",
         action="store_true",
@@ -279,16 +285,57 @@ def count_ops(step) -> tuple[int, int]:
     return counter.ops, counter.casts
 
 
-def _profile(step, device, rows: int = 12):
+# GPU kernels by what they do, first match wins: a kernel's name carries its op (cuBLAS's nvjet/gemm, cuDNN's sdpa,
+# PyTorch's functor in the template arguments: direct_copy, layer_norm, reduce, ...; inductor's triton_ prefix)
+KERNEL_KINDS = (
+    ("attention", ("sdpa", "flash", "fmha", "attention", "_fwd_kernel", "_bwd_dkdv", "_bwd_dq")),
+    ("matmul", ("nvjet", "gemm", "cutlass", "xmma", "matmul")),
+    ("fused by inductor", ("triton_",)),
+    ("optimizer", ("multi_tensor_apply", "adam", "fused_adam")),
+    ("norm", ("layer_norm", "group_norm", "rms_norm")),
+    ("copy and cast", ("direct_copy", "copy_kernel", "cat_", "catarraybatched")),
+    ("reduction", ("reduce_kernel", "reduce_", "softmax")),
+    ("elementwise", ("elementwise", "vectorized", "unrolled")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    low = name.lower()
+    return next((kind for kind, keys in KERNEL_KINDS if any(k in low for k in keys)), "other")
+
+
+def kernel_summary(kernels, steps: int) -> str:
+    """Markdown table of GPU time per step by kind, from (name, total us, calls) triples, with each kind's largest
+    kernel (its name cut to 90 characters)."""
+    by_kind: dict[str, list] = {}
+    for name, us, calls in kernels:
+        by_kind.setdefault(kernel_kind(name), []).append((us, calls, name))
+    total = sum(us for _, us, _ in kernels) or 1.0
+    lines = ["| kernels | ms / step | share | launches / step | largest |", "|---|---|---|---|---|"]
+    for kind, rows in sorted(by_kind.items(), key=lambda kv: -sum(r[0] for r in kv[1])):
+        us = sum(r[0] for r in rows)
+        top = max(rows)[2]
+        lines.append(
+            f"| {kind} | {us / 1000 / steps:.2f} | {us / total:.0%} | {sum(r[1] for r in rows) / steps:.0f} | `{top[:90]}` |"
+        )
+    return "\n".join(lines)
+
+
+def _profile(step, device, rows: int = 12, steps: int = 2):
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
-        for i in range(2):
+        for i in range(steps):
             step(i)
         _sync(device)
     sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
-    print(prof.key_averages().table(sort_by=sort, row_limit=rows), flush=True)
+    averages = prof.key_averages()
+    print(averages.table(sort_by=sort, row_limit=rows, max_name_column_width=120), flush=True)
+    if device.type == "cuda":
+        kernels = [(e.key, e.self_device_time_total, e.count) for e in averages if e.self_device_time_total > 0]
+        kernels = [k for k in kernels if not k[0].startswith(("## Call", "Torch-Compiled", "autograd::", "Compiled"))]
+        print(kernel_summary(kernels, steps), flush=True)
 
 
 def rows_to_run(args):

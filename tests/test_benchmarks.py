@@ -728,3 +728,27 @@ def test_ot_pairing_assignment_is_the_best_permutation_and_shortens_the_segments
     row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| 64 |"))
     independent, batch_ot, _, class_ot, _ = [float(c.strip().rstrip("%")) for c in row.split("|")[2:-1]]
     assert batch_ot < class_ot < independent
+
+
+def test_profile_sorts_kernels_by_what_they_do():
+    """--profile's summary: kernel names as an H100 profile of a DiT step prints them, each under its kind, per step."""
+    train_step = load("train_step")
+    names = {
+        "nvjet_sm90_tst_192x192_64x4_2x1_v_bz_coopB_bias_TNN": "matmul",
+        "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_3": "attention",
+        "_fwd_kernel": "attention",
+        "triton_poi_fused_gelu_gelu_backward_view_10": "fused by inductor",
+        "void at::native::vectorized_layer_norm_kernel<c10::BFloat16, float>(int, float, ...)": "norm",
+        "void at::native::elementwise_kernel<128, 4, at::native::gpu_kernel_impl_nocast<at::native::direct_copy_kernel_cuda": (
+            "copy and cast"
+        ),
+        "void at::native::reduce_kernel<128, 4, at::native::ReduceOp<float, at::native::func_wrapper_t<float": "reduction",
+        "void at::native::vectorized_elementwise_kernel<4, at::native::GeluCUDAKernelImpl": "elementwise",
+        "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor>": "optimizer",
+        "Memset (Device)": "other",
+    }
+    assert {name: train_step.kernel_kind(name) for name in names} == names
+    table = train_step.kernel_summary([("nvjet_a", 3000.0, 4), ("nvjet_b", 1000.0, 2), ("_fwd_kernel", 4000.0, 2)], steps=2)
+    lines = table.splitlines()
+    assert lines[2].startswith("| matmul | 2.00 | 50% | 3 | `nvjet_a` |")  # 4000 us over 2 steps, the larger kernel
+    assert lines[3].startswith("| attention | 2.00 | 50% | 1 |")
