@@ -752,3 +752,18 @@ def test_profile_sorts_kernels_by_what_they_do():
     lines = table.splitlines()
     assert lines[2].startswith("| matmul | 2.00 | 50% | 3 | `nvjet_a` |")  # 4000 us over 2 steps, the larger kernel
     assert lines[3].startswith("| attention | 2.00 | 50% | 1 |")
+
+
+def test_disc_probe_separates_what_differs_and_not_what_does_not():
+    """disc_probe.py's linear probe: held-out accuracy near 1 for two distinct clouds, near chance for one cloud split
+    in two at random."""
+    probe = load("disc_probe").linear_probe
+    g = torch.Generator().manual_seed(0)
+    n = 400
+    labels = torch.cat([torch.ones(n), torch.zeros(n)])
+    order = torch.randperm(2 * n, generator=g)
+    train, test = order[:560], order[560:]
+    apart = torch.randn(2 * n, 8, generator=g) + 2.0 * labels[:, None]
+    same = torch.randn(2 * n, 8, generator=g)
+    assert probe(apart, labels, train, test) > 0.95
+    assert 0.35 < probe(same, labels, train, test) < 0.65

@@ -9,13 +9,13 @@ from typing import ClassVar
 import pytest
 import torch
 
-from flm.models import build_model
+from flm.models import MODEL_SIZES, build_model
 from flm.objectives import RCM
-from flm.objectives.teacher import check_teacher, load_teacher
+from flm.objectives.teacher import check_teacher, feature_blocks, load_teacher
 from flm.train import checkpoint
 from flm.train.loop import start_from
 
-from .conftest import ROOT, TINY, run_script, torchrun
+from .conftest import ROOT, TINY, load_entry, run_script, torchrun
 from .test_loop import assert_same_state
 
 STUDENT = ["trainer.ckpt_every=2", "trainer.keep_last=0", "objective.warmup_steps=2"]
@@ -385,3 +385,19 @@ def test_an_auto_student_predicts_as_its_teacher(tmp_path, teacher, train_run):
     for run, expected in (("flow_matching", "velocity"), ("flow_matching_data", "data")):
         train_run(tmp_path / run, ["objective=meanflow_distill", f"objective.teacher={teacher / run}", "trainer.max_steps=2"])
         assert checkpoint.saved_prediction(str(tmp_path / run)) == expected
+
+
+def test_disc_probe_reads_a_students_samples_and_refuses_a_teacher(tmp_path, teacher, train_run, capsys):
+    """benchmarks/disc_probe.py on a 4-step rcm_gan student: the pixel row, one feature row per block read and s, and
+    the run's own heads trained offline; a flow-matching run (no teacher) stops with one line."""
+    run = tmp_path / "student"
+    overrides = objective_of("rcm_gan", teacher) + STUDENT[:2] + ["objective.dmd_start=2", "objective.disc_width=8"]
+    train_run(run, overrides + ["objective.disc_backbone=teacher", "objective.r1_gamma=0", "objective.warmup_steps=2"])
+    probe = load_entry("benchmarks/disc_probe")
+    probe.main(["--ckpt", str(run), "--n", "20", "--s", "0.1", "0.5", "--train-updates", "2", "--batch", "4"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "accuracy" not in line]
+    blocks = feature_blocks(MODEL_SIZES["DiT-T/4"][0], None, "x")
+    assert len(rows) == 1 + 2 * len(blocks) + 2
+    assert all(0.0 <= float(row.split("|")[3]) <= 1.0 for row in rows)
+    with pytest.raises(SystemExit, match="not a distilled student"):
+        probe.main(["--ckpt", str(teacher / "flow_matching")])
