@@ -24,6 +24,14 @@ y, features=blocks)) at x_s = (1 - s) x + s eps, s ~ logit-normal(disc_t_mean, d
 features separate real from generated images from the first step (no discriminator to learn from scratch), and the
 noise makes D smooth in x. Its cost: the teacher's trunk up to the last feature block, forward and backward on the
 k generated images and forward on k data images.
+
+With adv_loss="feature_matching" (teacher backbone only) there is no discriminator to train: the student's term is
+feature matching on the same features, the squared distance between the batch means of each feature block's
+per-image statistics (the mean and standard deviation of its hidden states over the tokens) for the k generated
+images and k data images noised to the same s, each statistic scaled by its spread over both batches. An online
+discriminator learns too slowly for a run of a few hundred steps (docs/distillation.md: flm's heads sit at chance,
+while a linear probe on these statistics tells the student's samples from the data); the batch statistics are
+there from the first step.
 """
 
 import functools
@@ -40,6 +48,7 @@ from flm.objectives.protocol import Network
 from flm.objectives.teacher import feature_blocks, teacher_features
 
 BACKBONES = ("cnn", "teacher")
+ADV_LOSSES = ("gan", "feature_matching")
 
 
 class Discriminator(nn.Module):
@@ -100,6 +109,12 @@ class FeatureDiscriminator(nn.Module):
         return torch.stack([head(f.float(), y) for head, f in zip(self.heads, features)], 1)
 
 
+def pooled_statistics(hidden: torch.Tensor) -> torch.Tensor:
+    """(B, N, D) hidden states -> (B, 2D): each image's mean and standard deviation over its tokens."""
+    hidden = hidden.float()
+    return torch.cat([hidden.mean(1), hidden.std(1)], 1)
+
+
 def build_feature_discriminator(model_args: dict, *, width: int, blocks) -> FeatureDiscriminator:
     depth, hidden = MODEL_SIZES[model_args["name"]][:2]
     blocks = feature_blocks(depth, blocks, "objective.disc_blocks")
@@ -126,6 +141,8 @@ class AdversarialRegularised:
         disc_depth: the CNN's number of strided convolutions.
         disc_blocks: the teacher's blocks the heads read (null: four evenly spaced ones, the last included).
         disc_t_mean, disc_t_std: the logit-normal of the noise level s of the teacher backbone's input.
+        adv_loss: "gan" (the discriminator above) or "feature_matching" (the teacher backbone's feature statistics,
+            no discriminator).
         **kwargs: the distillation objective's.
     """
 
@@ -142,9 +159,16 @@ class AdversarialRegularised:
         disc_blocks=None,
         disc_t_mean: float = -1.0,
         disc_t_std: float = 1.0,
+        adv_loss: str = "gan",
         **kwargs,
     ):
         super().__init__(**kwargs)
+        if adv_loss not in ADV_LOSSES:
+            raise ValueError(f"objective.adv_loss must be one of {', '.join(ADV_LOSSES)}, got {adv_loss!r}")
+        if adv_loss == "feature_matching" and disc_backbone != "teacher":
+            raise ValueError(
+                "objective.adv_loss=feature_matching matches the teacher's features; set objective.disc_backbone=teacher"
+            )
         if not (0 <= adv_weight < math.inf and 0 < adv_frac <= 1 and 0 < disc_lr < math.inf and 0 <= r1_gamma < math.inf):
             raise ValueError(
                 f"the adversarial loss needs adv_weight >= 0, adv_frac in (0, 1], disc_lr > 0 and r1_gamma >= 0, got "
@@ -164,6 +188,9 @@ class AdversarialRegularised:
             raise ValueError(f"disc_t_mean must be finite and disc_t_std > 0, got {disc_t_mean!r} and {disc_t_std!r}")
         self.adv_weight, self.adv_frac, self.r1_gamma = adv_weight, adv_frac, r1_gamma
         self.disc_backbone, self.disc_t_mean, self.disc_t_std = disc_backbone, disc_t_mean, disc_t_std
+        self.adv_loss, self.disc_blocks = adv_loss, disc_blocks
+        if adv_loss == "feature_matching":
+            return  # no discriminator network
         if disc_backbone == "cnn":
             build = functools.partial(build_discriminator, width=disc_width, depth=disc_depth)
         else:
@@ -179,7 +206,24 @@ class AdversarialRegularised:
         eps = torch.randn_like(x, dtype=torch.float32)
         return teacher_features(teacher, x, s, eps, y, unwrap(discriminator).feature_blocks)
 
-    def loss(self, model, x, y=None, *, step=0, teacher, discriminator, **networks):
+    def feature_matching(self, x_g, x, y_g, y, teacher):
+        """Feature matching: for each block, the squared distance between the generated and the data images' batch
+        means of the per-image token mean and std of its hidden states, over each statistic's spread in the two batches;
+        image i of each batch noised with the same s and noise."""
+        blocks = feature_blocks(len(unwrap(teacher).blocks), self.disc_blocks, "objective.disc_blocks")
+        s = logit_normal(x_g.shape[0], self.disc_t_mean, self.disc_t_std, device=x_g.device)
+        eps = torch.randn_like(x_g, dtype=torch.float32)
+        fake = teacher_features(teacher, x_g, s, eps, y_g, blocks)
+        with torch.no_grad():
+            real = teacher_features(teacher, x, s, eps, y, blocks)
+        loss = 0.0
+        for f, r in zip(fake, real):
+            f, r = pooled_statistics(f), pooled_statistics(r)
+            scale = torch.cat([f.detach(), r]).std(0, correction=0) + 1e-3  # defined for one image of each too
+            loss = loss + ((f.mean(0) - r.mean(0)) / scale).square().mean()
+        return loss / len(fake)
+
+    def loss(self, model, x, y=None, *, step=0, teacher, discriminator=None, **networks):
         if self.r1_gamma and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
             raise ValueError(
                 "objective.r1_gamma > 0 takes a double backward through the discriminator, which DDP does not "
@@ -196,6 +240,11 @@ class AdversarialRegularised:
         k = max(1, math.ceil(self.adv_frac * x.shape[0]))
         y_g = None if y is None else y[:k]
         x_g = self.generate(model, x[:k], y_g)
+        if self.adv_loss == "feature_matching":
+            fm = self.feature_matching(x_g.float(), x[:k], y_g, None if y is None else y[:k], teacher)
+            losses.update(model=student_loss + self.adv_weight * fm)
+            metrics.update(loss=losses["model"].detach(), adv=fm.detach())
+            return losses, metrics
 
         # the student's term, through D with its weights held: g = d mean L_G / d x_g (the module under DDP: no
         # gradient hooks, as no weight gradient is taken)

@@ -175,6 +175,8 @@ def test_feature_blocks_outside_the_teacher_are_refused(blocks):
         ({"disc_width": 0}, "disc_width must be an int >= 1"),
         ({"disc_depth": 2.5}, "disc_depth must be an int >= 1"),
         ({"teacher": ""}, "objective.teacher is not set"),
+        ({"adv_loss": "hinge"}, "adv_loss must be one of gan, feature_matching"),
+        ({"adv_loss": "feature_matching"}, "matches the teacher's features; set objective.disc_backbone=teacher"),
     ],
 )
 def test_bad_settings(kwargs, match):
@@ -191,3 +193,23 @@ def test_r1_under_several_processes_is_refused(monkeypatch):
     objective.r1_gamma = 0.0
     losses, _ = objective.loss(student, x, y, teacher=teacher, discriminator=LinearD((3, 8, 8)))
     assert torch.isfinite(losses["discriminator"])
+
+
+def test_feature_matching_is_zero_for_the_data_itself_and_pulls_a_shifted_batch_back():
+    """adv_loss=feature_matching: no discriminator network; the term vanishes when the generated images are the data
+    images (same s, same noise draws), and its gradient moves a shifted batch towards the data."""
+    from flm.models import build_model
+    from flm.objectives.meanflow import MeanFlowGAN
+
+    objective = MeanFlowGAN(teacher="unused", disc_backbone="teacher", r1_gamma=0.0, adv_loss="feature_matching")
+    assert "discriminator" not in objective.networks
+    torch.manual_seed(0)
+    teacher = build_model("DiT-T/4", input_size=8, in_channels=1, num_classes=10).requires_grad_(False)
+    x, y = torch.randn(6, 1, 8, 8), torch.arange(6)
+    torch.manual_seed(1)
+    same = objective.feature_matching(x.clone(), x, y, y, teacher)
+    assert same.item() == pytest.approx(0.0, abs=1e-6)
+    shifted = (x + 0.5).requires_grad_(True)
+    loss = objective.feature_matching(shifted, x, y, y, teacher)
+    (grad,) = torch.autograd.grad(loss, shifted)
+    assert loss.item() > 0.01 and (grad.mean() > 0)  # descending it lowers the shift

@@ -19,6 +19,7 @@ from .conftest import ROOT, TINY, load_entry, run_script, torchrun
 from .test_loop import assert_same_state
 
 STUDENT = ["trainer.ckpt_every=2", "trainer.keep_last=0", "objective.warmup_steps=2"]
+FEATURE_MATCHING = "objective.adv_loss=feature_matching"
 
 
 @pytest.fixture(scope="module")
@@ -128,6 +129,7 @@ def test_teacher_ema_picks_the_teacher_runs_average(tmp_path, teacher, train_run
         ("meanflow_gan", ["objective.disc_width=8"]),
         ("meanflow_gan", ["objective.disc_backbone=teacher", "objective.r1_gamma=0", "objective.disc_width=8"]),
         ("rcm_gan", ["objective.dmd_start=2", "objective.disc_width=8"]),
+        ("rcm_gan", ["objective.dmd_start=2", "objective.disc_backbone=teacher", "objective.r1_gamma=0", FEATURE_MATCHING]),
     ],
 )
 def test_stop_and_resume_is_bit_exact_with_every_network(tmp_path, teacher, train_run, name, extra):
@@ -139,7 +141,7 @@ def test_stop_and_resume_is_bit_exact_with_every_network(tmp_path, teacher, trai
     train_run(tmp_path / "split", common + ["trainer.resume=auto"])
     whole, split = (checkpoint.load(str(tmp_path / run / "checkpoints" / "ckpt-00000004.pt")) for run in ("whole", "split"))
     assert ("fake_score.optimizer" in whole) == (name in ("rcm", "meanflow_dmd", "rcm_gan")) and "teacher" not in whole
-    assert ("discriminator.optimizer" in whole) == (name in ("meanflow_gan", "rcm_gan"))
+    assert ("discriminator.optimizer" in whole) == (name in ("meanflow_gan", "rcm_gan") and FEATURE_MATCHING not in extra)
     for key in set(whole) - {"config"}:
         assert_same_state(whole[key], split[key], key)
     metrics = [json.loads(line) for line in open(tmp_path / "whole" / "metrics.jsonl")]
@@ -170,7 +172,13 @@ def test_stop_and_resume_is_bit_exact_with_every_network(tmp_path, teacher, trai
         assert all("disc_loss" in m and "adv" in m and "discriminator.grad_norm" in m for m in metrics)
     if name == "rcm_gan":  # sCD alone at steps 1 and 2, the fake score at 3, then the student with DMD and the GAN term
         assert ["fake_loss" in m for m in metrics] == [False, False, True, False]
-        assert ["dmd" in m and "adv" in m and "discriminator.grad_norm" in m for m in metrics] == [False, False, False, True]
+        trained = "disc_loss" if FEATURE_MATCHING in extra else "discriminator.grad_norm"  # feature matching: no D
+        assert ["dmd" in m and "adv" in m and (trained in m) != (FEATURE_MATCHING in extra) for m in metrics] == [
+            False,
+            False,
+            False,
+            True,
+        ]
 
 
 def test_a_student_samples_without_its_teachers_file(tmp_path, teacher, train_run):
