@@ -368,6 +368,12 @@ def test_two_processes_distil_as_one(tmp_path, teacher, train_run, name, extra, 
         ("rcm_gan", "discriminator", ["objective.dmd_start=2"]),  # the GAN term in the student's DMD graph alone
         # the discriminator as heads on the frozen teacher's hidden states
         ("rcm_gan", "discriminator", ["objective.dmd_start=2", "objective.disc_backbone=teacher", "objective.r1_gamma=0"]),
+        # feature matching on those hidden states: no discriminator
+        (
+            "rcm_gan",
+            "fake_score",
+            ["objective.dmd_start=2", "objective.disc_backbone=teacher", "objective.r1_gamma=0", FEATURE_MATCHING],
+        ),
     ],
 )
 def test_a_graphed_run_with_a_second_trained_network_follows_the_eager_run(tmp_path, teacher, train_run, name, net, extra):
