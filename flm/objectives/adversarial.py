@@ -143,6 +143,7 @@ class AdversarialRegularised:
         disc_t_mean, disc_t_std: the logit-normal of the noise level s of the teacher backbone's input.
         adv_loss: "gan" (the discriminator above) or "feature_matching" (the teacher backbone's feature statistics,
             no discriminator).
+        adv_from_start: with a phased objective (rCM's dmd_start), the term in its distillation-alone steps too.
         **kwargs: the distillation objective's.
     """
 
@@ -160,6 +161,7 @@ class AdversarialRegularised:
         disc_t_mean: float = -1.0,
         disc_t_std: float = 1.0,
         adv_loss: str = "gan",
+        adv_from_start: bool = False,
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -188,7 +190,7 @@ class AdversarialRegularised:
             raise ValueError(f"disc_t_mean must be finite and disc_t_std > 0, got {disc_t_mean!r} and {disc_t_std!r}")
         self.adv_weight, self.adv_frac, self.r1_gamma = adv_weight, adv_frac, r1_gamma
         self.disc_backbone, self.disc_t_mean, self.disc_t_std = disc_backbone, disc_t_mean, disc_t_std
-        self.adv_loss, self.disc_blocks = adv_loss, disc_blocks
+        self.adv_loss, self.disc_blocks, self.adv_from_start = adv_loss, disc_blocks, bool(adv_from_start)
         if adv_loss == "feature_matching":
             return  # no discriminator network
         if disc_backbone == "cnn":
@@ -231,10 +233,11 @@ class AdversarialRegularised:
             )
         out, metrics = super().loss(model, x, y, step=step, teacher=teacher, **networks)
         losses = dict(out) if isinstance(out, dict) else {"model": out}
-        # a phased objective (rCM) takes the term in its student steps with DMD only: after its distillation-alone
-        # steps, and not in its fake score's steps (phase is given with a CUDA graph's tensor step)
+        # a phased objective (rCM) takes the term in its student steps with DMD (and with adv_from_start in its
+        # distillation-alone steps before them), never in its fake score's steps (phase is given with a CUDA graph's
+        # tensor step)
         phase = networks.get("phase") or (self.phase(step) if hasattr(self, "phase") else None)
-        if phase not in (None, "model"):
+        if phase not in (None, "model") and not (phase == "distill" and self.adv_from_start):
             return losses, metrics
         student_loss = losses["model"]
         k = max(1, math.ceil(self.adv_frac * x.shape[0]))

@@ -20,6 +20,7 @@ from .test_loop import assert_same_state
 
 STUDENT = ["trainer.ckpt_every=2", "trainer.keep_last=0", "objective.warmup_steps=2"]
 FEATURE_MATCHING = "objective.adv_loss=feature_matching"
+FROM_START = "objective.adv_from_start=true"
 
 
 @pytest.fixture(scope="module")
@@ -130,6 +131,10 @@ def test_teacher_ema_picks_the_teacher_runs_average(tmp_path, teacher, train_run
         ("meanflow_gan", ["objective.disc_backbone=teacher", "objective.r1_gamma=0", "objective.disc_width=8"]),
         ("rcm_gan", ["objective.dmd_start=2", "objective.disc_width=8"]),
         ("rcm_gan", ["objective.dmd_start=2", "objective.disc_backbone=teacher", "objective.r1_gamma=0", FEATURE_MATCHING]),
+        (
+            "rcm_gan",
+            ["objective.dmd_start=2", "objective.disc_backbone=teacher", "objective.r1_gamma=0", FEATURE_MATCHING, FROM_START],
+        ),
     ],
 )
 def test_stop_and_resume_is_bit_exact_with_every_network(tmp_path, teacher, train_run, name, extra):
@@ -172,6 +177,8 @@ def test_stop_and_resume_is_bit_exact_with_every_network(tmp_path, teacher, trai
         assert all("disc_loss" in m and "adv" in m and "discriminator.grad_norm" in m for m in metrics)
     if name == "rcm_gan":  # sCD alone at steps 1 and 2, the fake score at 3, then the student with DMD and the GAN term
         assert ["fake_loss" in m for m in metrics] == [False, False, True, False]
+        # the term from step 1 with adv_from_start (sCD's steps), else with DMD from step 4 (the fake score's at 3)
+        assert ["adv" in m for m in metrics] == [FROM_START in extra, FROM_START in extra, False, True]
         trained = "disc_loss" if FEATURE_MATCHING in extra else "discriminator.grad_norm"  # feature matching: no D
         assert ["dmd" in m and "adv" in m and (trained in m) != (FEATURE_MATCHING in extra) for m in metrics] == [
             False,
