@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from flm.data import stored_data
 from flm.models import MODEL_SIZES
-from flm.objectives.adversarial import FeatureDiscriminator
+from flm.objectives.adversarial import build_feature_discriminator, pooled_statistics
 from flm.objectives.paths import logit_normal
 from flm.objectives.teacher import feature_blocks, load_teacher, teacher_features
 from flm.train.generator import load_generator, open_generator
@@ -46,12 +46,6 @@ def linear_probe(features: torch.Tensor, labels: torch.Tensor, train: torch.Tens
     opt.step(closure)
     with torch.no_grad():
         return ((f[test] @ w + b > 0).float() == labels[test]).float().mean().item()
-
-
-def pooled(hidden: torch.Tensor) -> torch.Tensor:
-    """(B, N, D) token features -> (B, 2D): their mean and standard deviation over the tokens."""
-    hidden = hidden.float()
-    return torch.cat([hidden.mean(1), hidden.std(1)], 1)
 
 
 def discriminator_accuracy(d, features, labels, y) -> float:
@@ -105,8 +99,7 @@ def main(argv=None):
     order = torch.randperm(2 * n)
     train, test = order[: int(0.7 * 2 * n)], order[int(0.7 * 2 * n) :]
 
-    depth, hidden = MODEL_SIZES[model_args["name"]][:2]
-    blocks = feature_blocks(depth, objective_cfg.get("disc_blocks"), "objective.disc_blocks")
+    blocks = feature_blocks(MODEL_SIZES[model_args["name"]][0], objective_cfg.get("disc_blocks"), "objective.disc_blocks")
     print(f"{path}: {n} one-step samples against {n} data images; held-out accuracy (0.5: chance)")
     print(
         f"| probe | s | accuracy |\n|---|---|---|\n| linear, pixels | - | {linear_probe(images.flatten(1), labels, train, test):.3f} |"
@@ -117,12 +110,12 @@ def main(argv=None):
             features = teacher_features(teacher, images, s, torch.randn_like(images), y, blocks)
         for block, f in zip(blocks, features):
             print(
-                f"| linear, teacher block {block} (token mean and std) | {s_value} | {linear_probe(pooled(f), labels, train, test):.3f} |"
+                f"| linear, teacher block {block} (token mean and std) | {s_value} | {linear_probe(pooled_statistics(f), labels, train, test):.3f} |"
             )
 
     if args.train_updates:
         lr = args.disc_lr or objective_cfg.get("disc_lr", 2e-4)
-        d = FeatureDiscriminator(hidden, classes, blocks, width=objective_cfg.get("disc_width", 64))
+        d = build_feature_discriminator(model_args, width=objective_cfg.get("disc_width", 64), blocks=blocks)
         opt = torch.optim.AdamW(d.parameters(), lr=lr, betas=(0.9, 0.99), weight_decay=0.0)
         t_mean, t_std = objective_cfg.get("disc_t_mean", -1.0), objective_cfg.get("disc_t_std", 1.0)
         real_train, fake_train = train[labels[train] == 1], train[labels[train] == 0]

@@ -208,14 +208,14 @@ class AdversarialRegularised:
         eps = torch.randn_like(x, dtype=torch.float32)
         return teacher_features(teacher, x, s, eps, y, unwrap(discriminator).feature_blocks)
 
-    def feature_matching(self, x_g, x, y_g, y, teacher):
+    def feature_matching(self, x_g, x, y, teacher):
         """Feature matching: for each block, the squared distance between the generated and the data images' batch
         means of the per-image token mean and std of its hidden states, over each statistic's spread in the two batches;
-        image i of each batch noised with the same s and noise."""
+        image i of each batch noised with the same s and noise, both batches with the labels y."""
         blocks = feature_blocks(len(unwrap(teacher).blocks), self.disc_blocks, "objective.disc_blocks")
         s = logit_normal(x_g.shape[0], self.disc_t_mean, self.disc_t_std, device=x_g.device)
         eps = torch.randn_like(x_g, dtype=torch.float32)
-        fake = teacher_features(teacher, x_g, s, eps, y_g, blocks)
+        fake = teacher_features(teacher, x_g, s, eps, y, blocks)
         with torch.no_grad():
             real = teacher_features(teacher, x, s, eps, y, blocks)
         loss = 0.0
@@ -244,7 +244,7 @@ class AdversarialRegularised:
         y_g = None if y is None else y[:k]
         x_g = self.generate(model, x[:k], y_g)
         if self.adv_loss == "feature_matching":
-            fm = self.feature_matching(x_g.float(), x[:k], y_g, None if y is None else y[:k], teacher)
+            fm = self.feature_matching(x_g, x[:k], y_g, teacher)  # the generated images take the batch's labels
             losses.update(model=student_loss + self.adv_weight * fm)
             metrics.update(loss=losses["model"].detach(), adv=fm.detach())
             return losses, metrics
