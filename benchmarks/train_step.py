@@ -292,7 +292,7 @@ KERNEL_KINDS = (
     ("matmul", ("nvjet", "gemm", "cutlass", "xmma", "matmul")),
     ("fused by inductor", ("triton_",)),
     ("optimizer", ("multi_tensor_apply", "adam", "fused_adam")),
-    ("norm", ("layer_norm", "group_norm", "rms_norm")),
+    ("norm", ("layer_norm", "group_norm", "rms_norm", "_ln_")),
     ("copy and cast", ("direct_copy", "copy_kernel", "cat_", "catarraybatched")),
     ("reduction", ("reduce_kernel", "reduce_", "softmax")),
     ("elementwise", ("elementwise", "vectorized", "unrolled")),

@@ -34,6 +34,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd import forward_ad
 
+from flm.kernels import layer_norm as fused_norm
+
 
 def _save(ctx, *tensors) -> None:
     """Save detached tensors for both backward and jvp (the same storage: no extra memory)."""
@@ -255,6 +257,9 @@ class _LayerNorm(torch.autograd.Function):
     # backward and jvp reuse them; out_dtype: the output's dtype (None: the affine's own), written by the affine's kernel
     @staticmethod
     def forward(x, weight, bias, eps, one_plus, out_dtype):
+        plan = _fused_plan(x, weight, bias)
+        if plan is not None:  # one kernel; the backward and the JVP then take the fused kernels too
+            return (*fused_norm.forward(x, weight, bias, eps, one_plus, out_dtype, plan), None)
         x_hat, mean, rstd = torch.native_layer_norm(x, (x.shape[-1],), None, None, eps)
         w = _affine_weight(weight, one_plus)
         return _affine(x_hat, w, bias, out_dtype), mean, rstd, w if one_plus else None
@@ -263,17 +268,22 @@ class _LayerNorm(torch.autograd.Function):
     def setup_context(ctx, inputs, output):
         x, weight, bias, eps, one_plus, _ = inputs
         _, mean, rstd, one_plus_weight = output
-        if one_plus:
+        ctx.plan = _fused_plan(x, weight, bias)
+        ctx.one_plus = one_plus
+        if one_plus and ctx.plan is None:
             weight = one_plus_weight  # the tangent and gradient of 1 + s are those of s
         ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(*(t for t in (mean, rstd, one_plus_weight) if t is not None))
         ctx.bias_meta = None if bias is None else (bias.shape, bias.dtype)
         ctx.out_dtype = output[0].dtype
-        _save(ctx, x, mean, rstd, weight)
+        _save(ctx, x, mean, rstd, weight, bias)
 
     @staticmethod
     def jvp(ctx, tx, tweight, tbias, _eps, _one_plus, _out_dtype):
-        x, mean, rstd, weight = ctx.saved_tensors
+        x, mean, rstd, weight, _ = ctx.saved_tensors
+        if ctx.plan is not None:
+            ty = fused_norm.jvp(x, mean, rstd, weight, tx, tweight, tbias, ctx.one_plus, ctx.out_dtype, ctx.plan)
+            return ty, None, None, None
         with torch.no_grad():
             # ty = (dx_hat/dx) tx * weight + x_hat * tweight + tbias, in few kernels
             out = torch.zeros((), dtype=ctx.out_dtype, device=x.device) if tbias is None else tbias
@@ -289,9 +299,13 @@ class _LayerNorm(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, gy, _gmean, _grstd, _gweight):
-        x, mean, rstd, weight = ctx.saved_tensors
+        x, mean, rstd, weight, bias = ctx.saved_tensors
         if gy is None:
             return None, None, None, None, None, None
+        if ctx.plan is not None:
+            need = ctx.needs_input_grad
+            gx, gw, gb = fused_norm.backward(gy, x, mean, rstd, weight, bias, ctx.one_plus, need[1], need[2], ctx.plan)
+            return gx if need[0] else None, gw, gb, None, None, None
         gx = gw = gb = None
         if ctx.needs_input_grad[0]:  # (the product in x's dtype: gy may be the lower out_dtype)
             g = (
@@ -306,6 +320,11 @@ class _LayerNorm(torch.autograd.Function):
             shape, dtype = ctx.bias_meta
             gb = gy.sum_to_size(shape).to(dtype)
         return gx, gw, gb, None, None, None
+
+
+def _fused_plan(x, weight, bias):
+    """The fused kernels' plan for this call (flm.kernels.layer_norm), None for PyTorch's ops."""
+    return fused_norm.plan(x, weight, bias) if fused_norm.enabled(x) else None
 
 
 def _affine_weight(weight, one_plus: bool):

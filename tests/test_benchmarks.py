@@ -739,6 +739,7 @@ def test_profile_sorts_kernels_by_what_they_do():
         "_fwd_kernel": "attention",
         "triton_poi_fused_gelu_gelu_backward_view_10": "fused by inductor",
         "void at::native::vectorized_layer_norm_kernel<c10::BFloat16, float>(int, float, ...)": "norm",
+        "_ln_bwd": "norm",
         "void at::native::elementwise_kernel<128, 4, at::native::gpu_kernel_impl_nocast<at::native::direct_copy_kernel_cuda": (
             "copy and cast"
         ),

@@ -1,0 +1,78 @@
+"""adaLN's layer norm (flm.nn.modulate) on the fused kernels (flm.kernels.layer_norm) against PyTorch's ops: GPU time
+per call of the forward, the forward + backward and the JVP forward at DiT shapes, fp32 residual stream in, bf16 out
+(what the DiT's blocks run under bf16 autocast).
+
+GPU time is the sum of the kernels' device time in torch.profiler over `--iters` calls, so host time does not count.
+"bytes" is the least a pass must move (each input read once, each output written once); GB/s divides it by the time.
+
+    PYTHONPATH=. python benchmarks/layer_norm.py [--shapes 128x196x384 16x1024x768 4x1024x1152] [--iters 20]
+"""
+
+import argparse
+
+import torch
+import triton
+from torch.autograd import forward_ad
+from torch.profiler import ProfilerActivity, profile
+
+from flm import nn as fnn
+from flm.kernels import layer_norm as fused_norm
+
+
+def kernel_us(fn, iters: int) -> float:
+    """GPU time per call: every kernel's device time over `iters` calls, after one untimed call."""
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    return sum(e.self_device_time_total for e in prof.key_averages()) / iters
+
+
+def passes(b: int, n: int, d: int):
+    """The three passes at x (b, n, d) fp32, shift and scale (b, 1, d) bf16, output bf16; with the bytes each moves."""
+    x = torch.randn(b, n, d, device="cuda")
+    shift, scale = (0.1 * torch.randn(b, 1, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    gy = torch.randn(b, n, d, device="cuda", dtype=torch.bfloat16)
+    tx = torch.randn_like(x)
+    ts, tc = torch.randn_like(shift), torch.randn_like(scale)
+    leaves = [t.detach().requires_grad_() for t in (x, shift, scale)]
+    big = b * n * d
+
+    def fwd():
+        return fnn.modulate(x, shift, scale, dtype=torch.bfloat16)
+
+    def fwd_bwd():
+        return torch.autograd.grad(fnn.modulate(leaves[0], leaves[1], leaves[2], dtype=torch.bfloat16), leaves, gy)
+
+    def jvp():
+        with forward_ad.dual_level():
+            duals = [forward_ad.make_dual(t, dt) for t, dt in zip((x, shift, scale), (tx, ts, tc))]
+            return forward_ad.unpack_dual(fnn.modulate(*duals, dtype=torch.bfloat16)).tangent
+
+    # fwd: x in, y out (+ mean, rstd); fwd + bwd adds gy in, x in again, gx out; jvp: x and tx in, ty out
+    return {"fwd": (fwd, big * (4 + 2)), "fwd + bwd": (fwd_bwd, big * (4 + 2 + 2 + 4 + 4)), "jvp": (jvp, big * (4 + 4 + 2))}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", nargs="+", default=["128x196x384", "16x1024x768", "4x1024x1152"])
+    p.add_argument("--iters", type=int, default=20)
+    args = p.parse_args()
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; GPU us per call\n")
+    print("| x (batch x tokens x width) | pass | PyTorch ops us | fused us | speed-up | fused GB/s |")
+    print("|---|---|---|---|---|---|")
+    for shape in args.shapes:
+        b, n, d = (int(v) for v in shape.split("x"))
+        for name, (fn, nbytes) in passes(b, n, d).items():
+            fused_norm.FORCE = False
+            plain = kernel_us(fn, args.iters)
+            fused_norm.FORCE = True
+            fused = kernel_us(fn, args.iters)
+            fused_norm.FORCE = False
+            print(f"| {shape} | {name} | {plain:.1f} | {fused:.1f} | {plain / fused:.2f}x | {nbytes / fused / 1e3:.0f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,240 @@
+"""Fused layer norm with a per-sample affine (DiT's adaLN modulation): forward, JVP and backward, one kernel each.
+
+y = x_hat * w + b over the last dim, x_hat = (x - mean) * rstd, with w = 1 + scale when `one_plus` (adaLN), and w, b
+either shared (D,) or per sample (S, 1, ..., D) against x (S, ..., D). In PyTorch ops this is a layer norm, then an
+addcmul, and its backward six more kernels over (tokens, width) tensors, several in fp32 (the residual stream's
+dtype): memory-bound work that made most of a graphed DiT step (docs/train_step.md, Run M). Here each pass reads its
+inputs once and writes its outputs once; the per-sample sums of the backward (the gradients of w and b) are written
+per block of rows and added up by one small torch.sum.
+
+The Jacobian of x -> x_hat is symmetric, rstd * (v - mean(v) - x_hat * mean(x_hat * v)), so the JVP's tangent and
+the backward's gradient are the same formula applied to tx and to gy * w.
+
+Used on CUDA tensors when $FLM_FUSED_NORM=1 (not yet the default: to be measured on a GPU first); `FORCE` runs it on
+any device (tests, in Triton's CPU interpreter).
+"""
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+ENV = "FLM_FUSED_NORM"
+FORCE = False  # tests: take the kernels on the CPU too (TRITON_INTERPRET=1)
+MAX_D = 8192  # one row's width in one tile; wider rows take the PyTorch ops
+
+
+@triton.jit
+def _load_rows(X, offs, mask):
+    return tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _vector(P, s, ss, cols, cmask, ONE_PLUS: tl.constexpr):
+    """One sample's (or the shared) (D,) vector, fp32, 1 + it with ONE_PLUS."""
+    v = tl.load(P + s * ss + cols, mask=cmask, other=0.0).to(tl.float32)
+    if ONE_PLUS:
+        v = v + 1.0
+    return v
+
+
+@triton.jit
+def _normalized_jacobian(v, x_hat, rstd, mask, D):
+    """(d x_hat / d x) v per row: rstd * (v - mean(v) - x_hat * mean(x_hat * v))."""
+    a = tl.sum(v, axis=1) / D
+    b = tl.sum(x_hat * v, axis=1) / D
+    return tl.where(mask, rstd[:, None] * (v - a[:, None] - x_hat * b[:, None]), 0.0)
+
+
+@triton.jit
+def _ln_fwd(
+    X, W, B, Y, MEAN, RSTD, N, D, w_ss, b_ss, eps,
+    HAS_W: tl.constexpr, HAS_B: tl.constexpr, ONE_PLUS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    s, c = tl.program_id(0), tl.program_id(1)
+    r = c * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_D)
+    rmask, cmask = r < N, cols < D
+    mask = rmask[:, None] & cmask[None, :]
+    rows = s.to(tl.int64) * N + r
+    offs = rows[:, None] * D + cols[None, :]
+    x = _load_rows(X, offs, mask)
+    mean = tl.sum(x, axis=1) / D
+    xc = tl.where(mask, x - mean[:, None], 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / D + eps)
+    y = xc * rstd[:, None]
+    if HAS_W:
+        y = y * _vector(W, s, w_ss, cols, cmask, ONE_PLUS)[None, :]
+    if HAS_B:
+        y = y + _vector(B, s, b_ss, cols, cmask, False)[None, :]
+    tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
+    tl.store(MEAN + rows, mean, mask=rmask)
+    tl.store(RSTD + rows, rstd, mask=rmask)
+
+
+@triton.jit
+def _ln_jvp(
+    X, MEAN, RSTD, W, TX, TW, TB, TY, N, D, w_ss, tw_ss, tb_ss,
+    HAS_TX: tl.constexpr, HAS_W: tl.constexpr, HAS_TW: tl.constexpr, HAS_TB: tl.constexpr, ONE_PLUS: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    s, c = tl.program_id(0), tl.program_id(1)
+    r = c * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_D)
+    rmask, cmask = r < N, cols < D
+    mask = rmask[:, None] & cmask[None, :]
+    rows = s.to(tl.int64) * N + r
+    offs = rows[:, None] * D + cols[None, :]
+    mean = tl.load(MEAN + rows, mask=rmask, other=0.0)
+    rstd = tl.load(RSTD + rows, mask=rmask, other=0.0)
+    x_hat = tl.where(mask, (_load_rows(X, offs, mask) - mean[:, None]) * rstd[:, None], 0.0)
+    ty = tl.zeros((BLOCK_R, BLOCK_D), dtype=tl.float32)
+    if HAS_TX:
+        j = _normalized_jacobian(_load_rows(TX, offs, mask), x_hat, rstd, mask, D)
+        if HAS_W:
+            j = j * _vector(W, s, w_ss, cols, cmask, ONE_PLUS)[None, :]
+        ty += j
+    if HAS_TW:
+        ty += x_hat * _vector(TW, s, tw_ss, cols, cmask, False)[None, :]
+    if HAS_TB:
+        ty += _vector(TB, s, tb_ss, cols, cmask, False)[None, :]
+    tl.store(TY + offs, ty.to(TY.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _ln_bwd(
+    GY, X, MEAN, RSTD, W, GX, GW, GB, N, D, C, w_ss,
+    HAS_W: tl.constexpr, ONE_PLUS: tl.constexpr, NEED_GW: tl.constexpr, NEED_GB: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    s, c = tl.program_id(0), tl.program_id(1)
+    r = c * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_D)
+    rmask, cmask = r < N, cols < D
+    mask = rmask[:, None] & cmask[None, :]
+    rows = s.to(tl.int64) * N + r
+    offs = rows[:, None] * D + cols[None, :]
+    mean = tl.load(MEAN + rows, mask=rmask, other=0.0)
+    rstd = tl.load(RSTD + rows, mask=rmask, other=0.0)
+    x_hat = tl.where(mask, (_load_rows(X, offs, mask) - mean[:, None]) * rstd[:, None], 0.0)
+    gy = _load_rows(GY, offs, mask)
+    g = gy
+    if HAS_W:
+        g = gy * _vector(W, s, w_ss, cols, cmask, ONE_PLUS)[None, :]
+    tl.store(GX + offs, _normalized_jacobian(g, x_hat, rstd, mask, D).to(GX.dtype.element_ty), mask=mask)
+    part = (s.to(tl.int64) * C + c) * D + cols  # this block's share of the per-sample sums
+    if NEED_GW:
+        tl.store(GW + part, tl.sum(gy * x_hat, axis=0), mask=cmask)
+    if NEED_GB:
+        tl.store(GB + part, tl.sum(gy, axis=0), mask=cmask)
+
+
+def enabled(x: torch.Tensor) -> bool:
+    """Whether layer norms of x take these kernels: CUDA tensors with $FLM_FUSED_NORM=1, or anything under FORCE."""
+    return FORCE or (x.is_cuda and os.environ.get(ENV, "0") == "1")
+
+
+def _sample_stride(v: torch.Tensor | None, x: torch.Tensor) -> int | None:
+    """0 for a shared (D,) vector, its sample stride for one per sample (S, 1, ..., D) against x (S, ..., D); None
+    for any other shape (the caller falls back to PyTorch ops)."""
+    if v is None:
+        return 0
+    d = x.shape[-1]
+    if v.shape[-1] != d or v.stride(-1) != 1:
+        return None
+    if v.numel() == d:
+        return 0
+    if v.dim() == x.dim() and v.shape[0] == x.shape[0] and v.numel() == v.shape[0] * d:
+        return v.stride(0)
+    return None
+
+
+def plan(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None):
+    """(samples, rows per sample) when the kernels take this call, else None."""
+    d = x.shape[-1]
+    if x.dim() < 2 or not x.is_contiguous() or d > MAX_D or x.numel() == 0 or not x.is_floating_point():
+        return None
+    strides = [_sample_stride(v, x) for v in (weight, bias)]
+    if any(st is None for st in strides):
+        return None
+    per_sample = any(st != 0 for st in strides)
+    samples = x.shape[0] if per_sample else 1
+    return samples, x.numel() // d // samples
+
+
+def _blocks(d: int) -> tuple[int, int, int]:
+    block_d = triton.next_power_of_2(d)
+    block_r = max(1, min(16, 4096 // block_d))
+    return block_r, block_d, 8 if block_d * block_r >= 4096 else 4
+
+
+def _vec(v: torch.Tensor | None, dummy: torch.Tensor) -> torch.Tensor:
+    return dummy if v is None else v
+
+
+def forward(x, weight, bias, eps: float, one_plus: bool, out_dtype: torch.dtype | None, plan_):
+    """y (out_dtype, or the affine's dtype under PyTorch's promotion), mean and rstd (fp32, one per row)."""
+    samples, n = plan_
+    d = x.shape[-1]
+    if out_dtype is None:
+        out_dtype = torch.result_type(x, weight) if weight is not None else x.dtype
+        out_dtype = torch.promote_types(out_dtype, bias.dtype) if bias is not None else out_dtype
+    y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    mean = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
+    rstd = torch.empty_like(mean)
+    block_r, block_d, warps = _blocks(d)
+    ws, bs = _sample_stride(weight, x), _sample_stride(bias, x)
+    grid = (samples, triton.cdiv(n, block_r))
+    _ln_fwd[grid](
+        x, _vec(weight, x), _vec(bias, x), y, mean, rstd, n, d, ws, bs, eps,
+        HAS_W=weight is not None, HAS_B=bias is not None, ONE_PLUS=one_plus, BLOCK_R=block_r, BLOCK_D=block_d,
+        num_warps=warps,
+    )  # fmt: skip
+    return y, mean, rstd
+
+
+def jvp(x, mean, rstd, weight, tx, tweight, tbias, one_plus: bool, out_dtype: torch.dtype, plan_):
+    """The output's tangent: (d x_hat/dx) tx * w + x_hat * tw + tb, in out_dtype."""
+    samples, n = plan_
+    d = x.shape[-1]
+    tx, tweight, tbias = (None if t is None else t.contiguous() for t in (tx, tweight, tbias))  # tangents may be expanded
+    strides = [_sample_stride(v, x) for v in (weight, tweight, tbias)]
+    ty = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    block_r, block_d, warps = _blocks(d)
+    _ln_jvp[(samples, triton.cdiv(n, block_r))](
+        x, mean, rstd, _vec(weight, x), _vec(tx, x), _vec(tweight, x), _vec(tbias, x), ty, n, d, *strides,
+        HAS_TX=tx is not None, HAS_W=weight is not None, HAS_TW=tweight is not None, HAS_TB=tbias is not None,
+        ONE_PLUS=one_plus, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=warps,
+    )  # fmt: skip
+    return ty
+
+
+def _per_sample_sum(part: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The blocks' partial sums (S, C, D) to `like`'s shape and dtype (summed over samples too for a shared one)."""
+    total = part.sum(1)
+    if like.numel() == like.shape[-1]:
+        total = total.sum(0)
+    return total.reshape(like.shape).to(like.dtype)
+
+
+def backward(gy, x, mean, rstd, weight, bias, one_plus: bool, need_gw: bool, need_gb: bool, plan_):
+    """gx (x's dtype), and the gradients of weight (or of the scale, with one_plus) and bias, or None."""
+    samples, n = plan_
+    d = x.shape[-1]
+    block_r, block_d, warps = _blocks(d)
+    blocks = triton.cdiv(n, block_r)
+    need_gw, need_gb = need_gw and weight is not None, need_gb and bias is not None
+    gx = torch.empty_like(x)
+    gw = torch.empty((samples, blocks, d), dtype=torch.float32, device=x.device) if need_gw else None
+    gb = torch.empty((samples, blocks, d), dtype=torch.float32, device=x.device) if need_gb else None
+    _ln_bwd[(samples, blocks)](
+        gy.contiguous(), x, mean, rstd, _vec(weight, x), gx, _vec(gw, x), _vec(gb, x), n, d, blocks,
+        _sample_stride(weight, x), HAS_W=weight is not None, ONE_PLUS=one_plus, NEED_GW=need_gw, NEED_GB=need_gb,
+        BLOCK_R=block_r, BLOCK_D=block_d, num_warps=warps,
+    )  # fmt: skip
+    return (
+        gx,
+        None if gw is None else _per_sample_sum(gw, weight),
+        None if gb is None else _per_sample_sum(gb, bias),
+    )

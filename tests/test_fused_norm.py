@@ -1,0 +1,179 @@
+"""flm.kernels.layer_norm: the fused adaLN layer norm's forward, JVP and backward against PyTorch's ops (the same
+flm.nn Functions with the kernels off), in Triton's CPU interpreter; on a GPU too (`gpu`)."""
+
+import pytest
+import torch
+from torch.autograd import forward_ad
+
+from flm import nn as fnn
+from flm.kernels import layer_norm as fused_norm
+
+# (x shape, weight shape, bias shape, one_plus): adaLN's per-sample vectors, shared ones, none, widths that are not a
+# power of two, and row counts that do not fill the last block
+CASES = [
+    ((2, 5, 24), (2, 1, 24), (2, 1, 24), True),
+    ((3, 17, 40), (3, 1, 40), (3, 1, 40), True),
+    ((2, 5, 24), (24,), (24,), False),
+    ((4, 33), (33,), None, False),
+    ((2, 3, 4, 16), (2, 1, 1, 16), None, True),
+    ((2, 9, 24), None, (2, 1, 24), False),
+    ((2, 9, 24), None, None, False),
+]
+
+
+def _call(x, w, b, one_plus, out_dtype=None):
+    return fnn._LayerNorm.apply(x, w, b, 1e-6, one_plus, out_dtype)[0]
+
+
+def _inputs(case, device="cpu", dtype=torch.float32, seed=0):
+    xs, ws, bs, one_plus = case
+    g = torch.Generator().manual_seed(seed)
+
+    def make(shape, scale=1.0):
+        return None if shape is None else (torch.randn(shape, generator=g) * scale + 0.3).to(device, dtype)
+
+    return make(xs, 2.0), make(ws, 0.5), make(bs), one_plus
+
+
+def _both(fn, monkeypatch):
+    """fn() with the kernels off, then on."""
+    monkeypatch.setattr(fused_norm, "FORCE", False)
+    plain = fn()
+    monkeypatch.setattr(fused_norm, "FORCE", True)
+    return plain, fn()
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_forward_matches_pytorch(case, monkeypatch):
+    x, w, b, one_plus = _inputs(case)
+    assert fused_norm.plan(x, w, b) is not None
+    plain, fused = _both(lambda: _call(x, w, b, one_plus), monkeypatch)
+    assert fused.dtype == plain.dtype and fused.shape == plain.shape
+    torch.testing.assert_close(fused, plain, atol=1e-5, rtol=1e-5)
+
+
+def test_forward_writes_the_requested_dtype(monkeypatch):
+    x, w, b, _ = _inputs(CASES[0])
+    plain, fused = _both(lambda: _call(x, w, b, True, torch.float16), monkeypatch)
+    assert fused.dtype == torch.float16
+    torch.testing.assert_close(fused, plain, atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_backward_matches_pytorch(case, monkeypatch):
+    x, w, b, one_plus = _inputs(case)
+    gy = torch.randn(x.shape, generator=torch.Generator().manual_seed(1))
+    leaves = [t.requires_grad_() for t in (x, w, b) if t is not None]
+
+    def grads():
+        return torch.autograd.grad(_call(x, w, b, one_plus), leaves, gy)
+
+    plain, fused = _both(grads, monkeypatch)
+    for p, f in zip(plain, fused, strict=True):
+        assert f.shape == p.shape and f.dtype == p.dtype
+        torch.testing.assert_close(f, p, atol=1e-4, rtol=1e-4)
+
+
+def test_backward_returns_only_the_gradients_asked_for(monkeypatch):
+    monkeypatch.setattr(fused_norm, "FORCE", True)
+    x, w, b, _ = _inputs(CASES[0])
+    w.requires_grad_()
+    (gw,) = torch.autograd.grad(_call(x, w, b, True).square().sum(), (w,))
+    assert gw.shape == w.shape
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_jvp_matches_pytorch(case, monkeypatch):
+    x, w, b, one_plus = _inputs(case)
+    tangents = [None if t is None else torch.randn_like(t) for t in (x, w, b)]
+
+    def tangent():
+        with forward_ad.dual_level():
+            duals = [t if dt is None else forward_ad.make_dual(t, dt) for t, dt in zip((x, w, b), tangents)]
+            return forward_ad.unpack_dual(_call(*duals, one_plus)).tangent
+
+    plain, fused = _both(tangent, monkeypatch)
+    torch.testing.assert_close(fused, plain, atol=1e-4, rtol=1e-4)
+
+
+def test_jvp_of_the_modulation_alone(monkeypatch):
+    """x plain, shift and scale dual (the network's input tangent reaching adaLN through the time embedding only)."""
+    x, w, b, _ = _inputs(CASES[0])
+    tw, tb = torch.randn_like(w), torch.randn_like(b)
+
+    def tangent():
+        with forward_ad.dual_level():
+            y = fnn.modulate(x, forward_ad.make_dual(b, tb), forward_ad.make_dual(w, tw))
+            return forward_ad.unpack_dual(y).tangent
+
+    plain, fused = _both(tangent, monkeypatch)
+    torch.testing.assert_close(fused, plain, atol=1e-5, rtol=1e-5)
+
+
+def test_shapes_the_kernels_do_not_take_fall_back(monkeypatch):
+    monkeypatch.setattr(fused_norm, "FORCE", True)
+    x = torch.randn(2, 5, 24)
+    per_token = torch.randn(2, 5, 24)
+    assert fused_norm.plan(x, per_token, None) is None
+    assert fused_norm.plan(x.transpose(0, 1), None, None) is None
+    assert fused_norm.plan(torch.randn(2, 5, fused_norm.MAX_D * 2), None, None) is None
+    y = _call(x, per_token, None, False)  # PyTorch's ops, the same result
+    torch.testing.assert_close(y, torch.nn.functional.layer_norm(x, (24,), eps=1e-6) * per_token)
+
+
+def test_off_by_default_on_the_cpu():
+    assert not fused_norm.enabled(torch.randn(2, 3))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_dit_block_shapes(dtype, monkeypatch):
+    """DiT-S/2's adaLN at a training batch (fp32 residual stream, bf16 or fp32 modulation vectors): forward, gradients
+    and tangent as PyTorch's ops give them."""
+    x = torch.randn(8, 256, 384, device="cuda") * 2
+    w, b = (torch.randn(8, 1, 384, device="cuda", dtype=dtype) * 0.5 for _ in range(2))
+    gy = torch.randn(x.shape, device="cuda", dtype=torch.bfloat16)
+    tx, tw, tb = torch.randn_like(x), torch.randn_like(w), torch.randn_like(b)
+    leaves = [t.requires_grad_() for t in (x, w, b)]
+
+    def run():
+        y = _call(x, w, b, True, torch.bfloat16)
+        grads = torch.autograd.grad(y, leaves, gy)
+        with forward_ad.dual_level():
+            duals = [forward_ad.make_dual(t.detach(), dt) for t, dt in zip((x, w, b), (tx, tw, tb))]
+            ty = forward_ad.unpack_dual(_call(*duals, True, torch.bfloat16)).tangent
+        return y, ty, *grads
+
+    plain, fused = _both(run, monkeypatch)
+    for p, f in zip(plain, fused, strict=True):
+        assert f.dtype == p.dtype
+        torch.testing.assert_close(f.float(), p.float(), atol=5e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("objective_name", ["flow_matching", "meanflow", "scm"])
+def test_a_dit_step_with_the_kernels_gives_pytorchs_loss_and_gradients(objective_name, monkeypatch):
+    """A whole loss through the DiT (every adaLN and the final layer's norm on the kernels; MeanFlow and sCM through
+    their JVPs too) gives the loss and every gradient of PyTorch's ops."""
+    from flm.models import DiT
+    from flm.objectives import build_objective
+
+    torch.manual_seed(0)
+    model = DiT(input_size=8, in_channels=1, patch_size=2, hidden_size=32, depth=2, num_heads=2, num_classes=10,
+                time_inputs=2 if objective_name == "meanflow" else 1, attention="math")  # fmt: skip
+    with torch.no_grad():  # DiT's zero init would leave the modulation's scale and the gates at zero
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    objective = build_objective(objective_name)
+    x, y = torch.randn(4, 1, 8, 8), torch.randint(0, 10, (4,))
+
+    def step():
+        model.zero_grad()
+        torch.manual_seed(1)
+        loss, _ = objective.loss(model, x, y)
+        loss.backward()
+        return [loss.detach()] + [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    plain, fused = _both(step, monkeypatch)
+    assert len(plain) == len(fused) > 10
+    for p, f in zip(plain, fused, strict=True):
+        torch.testing.assert_close(f, p, atol=1e-5, rtol=1e-4)
