@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd import forward_ad
 
-from flm.kernels import layer_norm as fused_norm
+from flm.kernels import adaln
 
 
 def _save(ctx, *tensors) -> None:
@@ -258,8 +258,8 @@ class _LayerNorm(torch.autograd.Function):
     @staticmethod
     def forward(x, weight, bias, eps, one_plus, out_dtype):
         plan = _fused_plan(x, weight, bias)
-        if plan is not None:  # one kernel; the backward and the JVP then take the fused kernels too
-            return (*fused_norm.forward(x, weight, bias, eps, one_plus, out_dtype, plan), None)
+        if plan is not None:  # one kernel (flm.kernels.adaln); the backward and the JVP then take its kernels too
+            return (*adaln.forward(x, weight, bias, eps, one_plus, out_dtype, plan), None)
         x_hat, mean, rstd = torch.native_layer_norm(x, (x.shape[-1],), None, None, eps)
         w = _affine_weight(weight, one_plus)
         return _affine(x_hat, w, bias, out_dtype), mean, rstd, w if one_plus else None
@@ -282,7 +282,7 @@ class _LayerNorm(torch.autograd.Function):
     def jvp(ctx, tx, tweight, tbias, _eps, _one_plus, _out_dtype):
         x, mean, rstd, weight, _ = ctx.saved_tensors
         if ctx.plan is not None:
-            ty = fused_norm.jvp(x, mean, rstd, weight, tx, tweight, tbias, ctx.one_plus, ctx.out_dtype, ctx.plan)
+            ty = adaln.jvp(x, mean, rstd, weight, tx, tweight, tbias, ctx.one_plus, ctx.out_dtype, ctx.plan)
             return ty, None, None, None
         with torch.no_grad():
             # ty = (dx_hat/dx) tx * weight + x_hat * tweight + tbias, in few kernels
@@ -304,7 +304,7 @@ class _LayerNorm(torch.autograd.Function):
             return None, None, None, None, None, None
         if ctx.plan is not None:
             need = ctx.needs_input_grad
-            gx, gw, gb = fused_norm.backward(gy, x, mean, rstd, weight, bias, ctx.one_plus, need[1], need[2], ctx.plan)
+            gx, gw, gb = adaln.backward(gy, x, mean, rstd, weight, bias, ctx.one_plus, need[1], need[2], ctx.plan)
             return gx if need[0] else None, gw, gb, None, None, None
         gx = gw = gb = None
         if ctx.needs_input_grad[0]:  # (the product in x's dtype: gy may be the lower out_dtype)
@@ -323,8 +323,8 @@ class _LayerNorm(torch.autograd.Function):
 
 
 def _fused_plan(x, weight, bias):
-    """The fused kernels' plan for this call (flm.kernels.layer_norm), None for PyTorch's ops."""
-    return fused_norm.plan(x, weight, bias) if fused_norm.enabled(x) else None
+    """The fused kernels' plan for this call (flm.kernels.adaln), None for PyTorch's ops."""
+    return adaln.plan(x, weight, bias) if adaln.enabled(x) else None
 
 
 def _affine_weight(weight, one_plus: bool):
@@ -431,11 +431,14 @@ class _GatedResidual(torch.autograd.Function):
         x, gate, h = inputs
         ctx.set_materialize_grads(False)
         ctx.x_dtype, ctx.out_dtype = x.dtype, output.dtype
+        ctx.plan = adaln.gate_plan(x, gate, h) if adaln.enabled(h) else None
         _save(ctx, gate, h)
 
     @staticmethod
     def jvp(ctx, tx, tgate, th):
         gate, h = ctx.saved_tensors
+        if ctx.plan is not None:  # one kernel (flm.kernels.adaln)
+            return adaln.gate_jvp(gate, h, tx, tgate, th, ctx.out_dtype, ctx.plan)
         with torch.no_grad():
             out = torch.zeros((), dtype=ctx.out_dtype, device=h.device) if tx is None else tx
             if tgate is not None:
@@ -451,6 +454,9 @@ class _GatedResidual(torch.autograd.Function):
         if gy is None:
             return None, None, None
         gx = gy.to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
+        if ctx.plan is not None:
+            ggate, gh = adaln.gate_backward(gy, gate, h, *ctx.needs_input_grad[1:], ctx.plan)
+            return gx, ggate, gh
         ggate = _sum_to(gy * h, gate) if ctx.needs_input_grad[1] else None
         gh = _sum_to(gy * gate, h) if ctx.needs_input_grad[2] else None
         return gx, ggate, gh

@@ -1,4 +1,7 @@
-"""Fused layer norm with a per-sample affine (DiT's adaLN modulation): forward, JVP and backward, one kernel each.
+"""DiT's adaLN-Zero elementwise work in fused Triton kernels: the modulated layer norm (forward, JVP, backward) and
+the gated residual (JVP, backward), one kernel per pass.
+
+Layer norm:
 
 y = x_hat * w + b over the last dim, x_hat = (x - mean) * rstd, with w = 1 + scale when `one_plus` (adaLN), and w, b
 either shared (D,) or per sample (S, 1, ..., D) against x (S, ..., D). In PyTorch ops this is a layer norm, then an
@@ -10,7 +13,11 @@ per block of rows and added up by one small torch.sum.
 The Jacobian of x -> x_hat is symmetric, rstd * (v - mean(v) - x_hat * mean(x_hat * v)), so the JVP's tangent and
 the backward's gradient are the same formula applied to tx and to gy * w.
 
-Used on CUDA tensors when $FLM_FUSED_NORM=1 (not yet the default: to be measured on a GPU first); `FORCE` runs it on
+Gated residual y = x + gate * h (gate per sample): its forward is one addcmul already; its backward (gh = gy * gate
+in h's dtype, the gate's per-sample sum of gy * h) and its JVP (tx + tgate * h + gate * th) are one kernel each here,
+three or four in PyTorch's ops.
+
+Used on CUDA tensors when $FLM_FUSED_ADALN=1 (not yet the default: to be measured on a GPU first); `FORCE` runs it on
 any device (tests, in Triton's CPU interpreter).
 """
 
@@ -20,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-ENV = "FLM_FUSED_NORM"
+ENV = "FLM_FUSED_ADALN"
 FORCE = False  # tests: take the kernels on the CPU too (TRITON_INTERPRET=1)
 MAX_D = 8192  # one row's width in one tile; wider rows take the PyTorch ops
 
@@ -131,7 +138,7 @@ def _ln_bwd(
 
 
 def enabled(x: torch.Tensor) -> bool:
-    """Whether layer norms of x take these kernels: CUDA tensors with $FLM_FUSED_NORM=1, or anything under FORCE."""
+    """Whether layer norms of x take these kernels: CUDA tensors with $FLM_FUSED_ADALN=1, or anything under FORCE."""
     return FORCE or (x.is_cuda and os.environ.get(ENV, "0") == "1")
 
 
@@ -238,3 +245,87 @@ def backward(gy, x, mean, rstd, weight, bias, one_plus: bool, need_gw: bool, nee
         None if gw is None else _per_sample_sum(gw, weight),
         None if gb is None else _per_sample_sum(gb, bias),
     )
+
+
+# --------------------------------------------------------------------------------------------
+# Gated residual y = x + gate * h
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _gate_bwd(
+    GY, H, GATE, GH, GG, N, D, C, g_ss,
+    NEED_GH: tl.constexpr, NEED_GG: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    s, c = tl.program_id(0), tl.program_id(1)
+    r = c * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_D)
+    rmask, cmask = r < N, cols < D
+    mask = rmask[:, None] & cmask[None, :]
+    offs = (s.to(tl.int64) * N + r)[:, None] * D + cols[None, :]
+    gy = _load_rows(GY, offs, mask)
+    if NEED_GH:
+        gh = gy * _vector(GATE, s, g_ss, cols, cmask, False)[None, :]
+        tl.store(GH + offs, gh.to(GH.dtype.element_ty), mask=mask)
+    if NEED_GG:
+        part = (s.to(tl.int64) * C + c) * D + cols
+        tl.store(GG + part, tl.sum(gy * _load_rows(H, offs, mask), axis=0), mask=cmask)
+
+
+@triton.jit
+def _gate_jvp(
+    TX, GATE, H, TG, TH, TY, N, D, g_ss, tg_ss,
+    HAS_TX: tl.constexpr, HAS_TG: tl.constexpr, HAS_TH: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    s, c = tl.program_id(0), tl.program_id(1)
+    r = c * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_D)
+    rmask, cmask = r < N, cols < D
+    mask = rmask[:, None] & cmask[None, :]
+    offs = (s.to(tl.int64) * N + r)[:, None] * D + cols[None, :]
+    ty = tl.zeros((BLOCK_R, BLOCK_D), dtype=tl.float32)
+    if HAS_TX:
+        ty += _load_rows(TX, offs, mask)
+    if HAS_TG:
+        ty += _vector(TG, s, tg_ss, cols, cmask, False)[None, :] * _load_rows(H, offs, mask)
+    if HAS_TH:
+        ty += _vector(GATE, s, g_ss, cols, cmask, False)[None, :] * _load_rows(TH, offs, mask)
+    tl.store(TY + offs, ty.to(TY.dtype.element_ty), mask=mask)
+
+
+def gate_plan(x: torch.Tensor, gate: torch.Tensor, h: torch.Tensor):
+    """(samples, rows per sample) when the gated residual's kernels take x + gate * h, else None."""
+    if x.shape != h.shape or not h.is_contiguous():
+        return None
+    return plan(h, gate, None)
+
+
+def gate_jvp(gate, h, tx, tgate, th, out_dtype: torch.dtype, plan_):
+    """The tangent of x + gate * h: tx + tgate * h + gate * th, in out_dtype."""
+    samples, n = plan_
+    d = h.shape[-1]
+    tx, tgate, th = (None if t is None else t.contiguous() for t in (tx, tgate, th))
+    ty = torch.empty(h.shape, dtype=out_dtype, device=h.device)
+    block_r, block_d, warps = _blocks(d)
+    _gate_jvp[(samples, triton.cdiv(n, block_r))](
+        _vec(tx, h), gate, h, _vec(tgate, h), _vec(th, h), ty, n, d, _sample_stride(gate, h),
+        _sample_stride(tgate, h) if tgate is not None else 0,
+        HAS_TX=tx is not None, HAS_TG=tgate is not None, HAS_TH=th is not None, BLOCK_R=block_r, BLOCK_D=block_d,
+        num_warps=warps,
+    )  # fmt: skip
+    return ty
+
+
+def gate_backward(gy, gate, h, need_gate: bool, need_h: bool, plan_):
+    """The gradients of gate (its dtype and shape) and of h (its dtype), or None where not needed."""
+    samples, n = plan_
+    d = h.shape[-1]
+    block_r, block_d, warps = _blocks(d)
+    blocks = triton.cdiv(n, block_r)
+    gh = torch.empty_like(h) if need_h else None
+    gg = torch.empty((samples, blocks, d), dtype=torch.float32, device=h.device) if need_gate else None
+    _gate_bwd[(samples, blocks)](
+        gy.contiguous(), h, gate, _vec(gh, h), _vec(gg, h), n, d, blocks, _sample_stride(gate, h),
+        NEED_GH=need_h, NEED_GG=need_gate, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=warps,
+    )  # fmt: skip
+    return None if gg is None else _per_sample_sum(gg, gate), gh

@@ -1,11 +1,11 @@
-"""adaLN's layer norm (flm.nn.modulate) on the fused kernels (flm.kernels.layer_norm) against PyTorch's ops: GPU time
-per call of the forward, the forward + backward and the JVP forward at DiT shapes, fp32 residual stream in, bf16 out
-(what the DiT's blocks run under bf16 autocast).
+"""adaLN's modulated layer norm and gated residual (flm.nn.modulate, flm.nn.gated_residual) on the fused kernels
+(flm.kernels.adaln) against PyTorch's ops: GPU time per call of the forward, the forward + backward and the JVP forward
+at DiT shapes, fp32 residual stream, bf16 modulation and branch output (what the DiT's blocks run under bf16 autocast).
 
 GPU time is the sum of the kernels' device time in torch.profiler over `--iters` calls, so host time does not count.
 "bytes" is the least a pass must move (each input read once, each output written once); GB/s divides it by the time.
 
-    PYTHONPATH=. python benchmarks/layer_norm.py [--shapes 128x196x384 16x1024x768 4x1024x1152] [--iters 20]
+    PYTHONPATH=. python benchmarks/adaln.py [--shapes 128x196x384 16x1024x768 4x1024x1152] [--iters 20]
 """
 
 import argparse
@@ -16,7 +16,7 @@ from torch.autograd import forward_ad
 from torch.profiler import ProfilerActivity, profile
 
 from flm import nn as fnn
-from flm.kernels import layer_norm as fused_norm
+from flm.kernels import adaln
 
 
 def kernel_us(fn, iters: int) -> float:
@@ -51,8 +51,29 @@ def passes(b: int, n: int, d: int):
             duals = [forward_ad.make_dual(t, dt) for t, dt in zip((x, shift, scale), (tx, ts, tc))]
             return forward_ad.unpack_dual(fnn.modulate(*duals, dtype=torch.bfloat16)).tangent
 
-    # fwd: x in, y out (+ mean, rstd); fwd + bwd adds gy in, x in again, gx out; jvp: x and tx in, ty out
-    return {"fwd": (fwd, big * (4 + 2)), "fwd + bwd": (fwd_bwd, big * (4 + 2 + 2 + 4 + 4)), "jvp": (jvp, big * (4 + 4 + 2))}
+    h = torch.randn(b, n, d, device="cuda", dtype=torch.bfloat16)
+    th = torch.randn_like(h)
+    gate_leaves = [t.detach().requires_grad_() for t in (x, scale, h)]
+    gy32 = gy.float()
+
+    def gate_fwd_bwd():
+        return torch.autograd.grad(fnn.gated_residual(*gate_leaves), gate_leaves[1:], gy32)
+
+    def gate_jvp():
+        with forward_ad.dual_level():
+            duals = [forward_ad.make_dual(t, dt) for t, dt in zip((x, scale, h), (tx, tc, th))]
+            return forward_ad.unpack_dual(fnn.gated_residual(*duals)).tangent
+
+    # modulate: fwd reads x, writes y (+ mean, rstd); its backward reads gy and x again and writes gx; jvp reads x, tx
+    # and writes ty. gated residual (fp32 x and gy, bf16 h): fwd reads x, h and writes y; backward reads gy, h, writes
+    # gh; jvp reads tx, h, th and writes ty
+    return {
+        "modulate fwd": (fwd, big * (4 + 2)),
+        "modulate fwd + bwd": (fwd_bwd, big * (4 + 2 + 2 + 4 + 4)),
+        "modulate jvp": (jvp, big * (4 + 4 + 2)),
+        "gated residual fwd + bwd": (gate_fwd_bwd, big * (4 + 2 + 4 + 4 + 2 + 2)),
+        "gated residual jvp": (gate_jvp, big * (4 + 2 + 2 + 4)),
+    }
 
 
 def main():
@@ -66,11 +87,11 @@ def main():
     for shape in args.shapes:
         b, n, d = (int(v) for v in shape.split("x"))
         for name, (fn, nbytes) in passes(b, n, d).items():
-            fused_norm.FORCE = False
+            adaln.FORCE = False
             plain = kernel_us(fn, args.iters)
-            fused_norm.FORCE = True
+            adaln.FORCE = True
             fused = kernel_us(fn, args.iters)
-            fused_norm.FORCE = False
+            adaln.FORCE = False
             print(f"| {shape} | {name} | {plain:.1f} | {fused:.1f} | {plain / fused:.2f}x | {nbytes / fused / 1e3:.0f} |")
 
 

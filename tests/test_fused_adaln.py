@@ -1,12 +1,13 @@
-"""flm.kernels.layer_norm: the fused adaLN layer norm's forward, JVP and backward against PyTorch's ops (the same
-flm.nn Functions with the kernels off), in Triton's CPU interpreter; on a GPU too (`gpu`)."""
+"""flm.kernels.adaln: the fused adaLN layer norm's forward, JVP and backward and the gated residual's JVP and backward
+against PyTorch's ops (the same flm.nn Functions with the kernels off), in Triton's CPU interpreter; on a GPU too
+(`gpu`)."""
 
 import pytest
 import torch
 from torch.autograd import forward_ad
 
 from flm import nn as fnn
-from flm.kernels import layer_norm as fused_norm
+from flm.kernels import adaln
 
 # (x shape, weight shape, bias shape, one_plus): adaLN's per-sample vectors, shared ones, none, widths that are not a
 # power of two, and row counts that do not fill the last block
@@ -37,16 +38,16 @@ def _inputs(case, device="cpu", dtype=torch.float32, seed=0):
 
 def _both(fn, monkeypatch):
     """fn() with the kernels off, then on."""
-    monkeypatch.setattr(fused_norm, "FORCE", False)
+    monkeypatch.setattr(adaln, "FORCE", False)
     plain = fn()
-    monkeypatch.setattr(fused_norm, "FORCE", True)
+    monkeypatch.setattr(adaln, "FORCE", True)
     return plain, fn()
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_forward_matches_pytorch(case, monkeypatch):
     x, w, b, one_plus = _inputs(case)
-    assert fused_norm.plan(x, w, b) is not None
+    assert adaln.plan(x, w, b) is not None
     plain, fused = _both(lambda: _call(x, w, b, one_plus), monkeypatch)
     assert fused.dtype == plain.dtype and fused.shape == plain.shape
     torch.testing.assert_close(fused, plain, atol=1e-5, rtol=1e-5)
@@ -75,7 +76,7 @@ def test_backward_matches_pytorch(case, monkeypatch):
 
 
 def test_backward_returns_only_the_gradients_asked_for(monkeypatch):
-    monkeypatch.setattr(fused_norm, "FORCE", True)
+    monkeypatch.setattr(adaln, "FORCE", True)
     x, w, b, _ = _inputs(CASES[0])
     w.requires_grad_()
     (gw,) = torch.autograd.grad(_call(x, w, b, True).square().sum(), (w,))
@@ -111,38 +112,98 @@ def test_jvp_of_the_modulation_alone(monkeypatch):
 
 
 def test_shapes_the_kernels_do_not_take_fall_back(monkeypatch):
-    monkeypatch.setattr(fused_norm, "FORCE", True)
+    monkeypatch.setattr(adaln, "FORCE", True)
     x = torch.randn(2, 5, 24)
     per_token = torch.randn(2, 5, 24)
-    assert fused_norm.plan(x, per_token, None) is None
-    assert fused_norm.plan(x.transpose(0, 1), None, None) is None
-    assert fused_norm.plan(torch.randn(2, 5, fused_norm.MAX_D * 2), None, None) is None
+    assert adaln.plan(x, per_token, None) is None
+    assert adaln.plan(x.transpose(0, 1), None, None) is None
+    assert adaln.plan(torch.randn(2, 5, adaln.MAX_D * 2), None, None) is None
     y = _call(x, per_token, None, False)  # PyTorch's ops, the same result
     torch.testing.assert_close(y, torch.nn.functional.layer_norm(x, (24,), eps=1e-6) * per_token)
 
 
 def test_off_by_default_on_the_cpu():
-    assert not fused_norm.enabled(torch.randn(2, 3))
+    assert not adaln.enabled(torch.randn(2, 3))
+
+
+# gated residual x + gate * h: (x and h shape, gate shape, h's dtype)
+GATE_CASES = [
+    ((2, 5, 24), (2, 1, 24), torch.float32),
+    ((3, 17, 40), (3, 1, 40), torch.float16),
+    ((2, 5, 24), (24,), torch.float32),
+    ((4, 33), (4, 33), torch.float16),
+]
+
+
+def _gate_inputs(case, seed=0):
+    shape, gshape, hdtype = case
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g)
+    gate = torch.randn(gshape, generator=g).to(hdtype)
+    return x, gate, torch.randn(shape, generator=g).to(hdtype)
+
+
+@pytest.mark.parametrize("case", GATE_CASES)
+def test_gated_residual_backward_matches_pytorch(case, monkeypatch):
+    x, gate, h = _gate_inputs(case)
+    gy = torch.randn(x.shape, generator=torch.Generator().manual_seed(1))
+    leaves = [t.requires_grad_() for t in (x, gate, h)]
+
+    def grads():
+        return torch.autograd.grad(fnn.gated_residual(x, gate, h), leaves, gy)
+
+    plain, fused_grads = _both(grads, monkeypatch)
+    for p, f in zip(plain, fused_grads, strict=True):
+        assert f.shape == p.shape and f.dtype == p.dtype
+        torch.testing.assert_close(f.float(), p.float(), atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("case", GATE_CASES)
+@pytest.mark.parametrize("which", [(True, True, True), (False, True, False), (True, False, True)])
+def test_gated_residual_jvp_matches_pytorch(case, which, monkeypatch):
+    x, gate, h = _gate_inputs(case)
+    tangents = [torch.randn_like(t) if on else None for t, on in zip((x, gate, h), which)]
+
+    def tangent():
+        with forward_ad.dual_level():
+            duals = [t if dt is None else forward_ad.make_dual(t, dt) for t, dt in zip((x, gate, h), tangents)]
+            return forward_ad.unpack_dual(fnn.gated_residual(*duals)).tangent
+
+    plain, fused_t = _both(tangent, monkeypatch)
+    assert fused_t.dtype == plain.dtype and fused_t.shape == plain.shape
+    torch.testing.assert_close(fused_t.float(), plain.float(), atol=2e-3, rtol=2e-3)
+
+
+def test_gated_residual_with_a_per_token_gate_falls_back(monkeypatch):
+    monkeypatch.setattr(adaln, "FORCE", True)
+    x, h = torch.randn(2, 5, 24), torch.randn(2, 5, 24)
+    assert adaln.gate_plan(x, torch.randn(2, 5, 24), h) is None
+    assert adaln.gate_plan(torch.randn(2, 1, 24), torch.randn(2, 1, 24), torch.randn(2, 5, 24)) is None
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gpu_dit_block_shapes(dtype, monkeypatch):
     """DiT-S/2's adaLN at a training batch (fp32 residual stream, bf16 or fp32 modulation vectors): forward, gradients
-    and tangent as PyTorch's ops give them."""
+    and tangent of a modulation and a gated residual as PyTorch's ops give them."""
     x = torch.randn(8, 256, 384, device="cuda") * 2
     w, b = (torch.randn(8, 1, 384, device="cuda", dtype=dtype) * 0.5 for _ in range(2))
     gy = torch.randn(x.shape, device="cuda", dtype=torch.bfloat16)
     tx, tw, tb = torch.randn_like(x), torch.randn_like(w), torch.randn_like(b)
     leaves = [t.requires_grad_() for t in (x, w, b)]
 
-    def run():
+    h = torch.randn(x.shape, device="cuda", dtype=torch.bfloat16).requires_grad_()
+    th = torch.randn_like(h)
+
+    def run():  # the modulation, then the gated residual with the modulation's output as h (as in a block)
         y = _call(x, w, b, True, torch.bfloat16)
-        grads = torch.autograd.grad(y, leaves, gy)
+        out = fnn.gated_residual(x, w, y * h)
+        grads = torch.autograd.grad(out, [*leaves, h], gy.float())
         with forward_ad.dual_level():
-            duals = [forward_ad.make_dual(t.detach(), dt) for t, dt in zip((x, w, b), (tx, tw, tb))]
-            ty = forward_ad.unpack_dual(_call(*duals, True, torch.bfloat16)).tangent
-        return y, ty, *grads
+            duals = [forward_ad.make_dual(t.detach(), dt) for t, dt in zip((x, w, b, h), (tx, tw, tb, th))]
+            ty = fnn.gated_residual(duals[0], duals[1], _call(*duals[:3], True, torch.bfloat16) * duals[3])
+            ty = forward_ad.unpack_dual(ty).tangent
+        return y, out, ty, *grads
 
     plain, fused = _both(run, monkeypatch)
     for p, f in zip(plain, fused, strict=True):
