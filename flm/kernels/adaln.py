@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from flm.kernels.launch import DirectLaunch
+
 ENV = "FLM_FUSED_ADALN"
 FORCE = False  # tests: take the kernels on the CPU too (TRITON_INTERPRET=1)
 MAX_D = 8192  # one row's width in one tile; wider rows take the PyTorch ops
@@ -137,6 +139,19 @@ def _ln_bwd(
         tl.store(GB + part, tl.sum(gy, axis=0), mask=cmask)
 
 
+_DIRECT: dict = {}  # kernel -> its DirectLaunch (CUDA)
+
+
+def _launch(kernel, grid, args: list, constexprs: dict, warps: int) -> None:
+    """kernel[grid](*args, **constexprs): on CUDA through flm.kernels.launch.DirectLaunch (a fraction of Triton's own
+    launch's host time; an eager step issues about a hundred of these), else (Triton's CPU interpreter) as usual."""
+    if args[0].is_cuda:
+        launch = _DIRECT.get(kernel) or _DIRECT.setdefault(kernel, DirectLaunch(kernel))
+        launch(grid, args, constexprs, warps, 1)
+    else:
+        kernel[grid](*args, **constexprs, num_warps=warps)
+
+
 def enabled(x: torch.Tensor) -> bool:
     """Whether layer norms of x take these kernels: CUDA tensors with $FLM_FUSED_ADALN=1, or anything under FORCE."""
     return FORCE or (x.is_cuda and os.environ.get(ENV, "0") == "1")
@@ -193,10 +208,10 @@ def forward(x, weight, bias, eps: float, one_plus: bool, out_dtype: torch.dtype 
     block_r, block_d, warps = _blocks(d)
     ws, bs = _sample_stride(weight, x), _sample_stride(bias, x)
     grid = (samples, triton.cdiv(n, block_r))
-    _ln_fwd[grid](
-        x, _vec(weight, x), _vec(bias, x), y, mean, rstd, n, d, ws, bs, eps,
-        HAS_W=weight is not None, HAS_B=bias is not None, ONE_PLUS=one_plus, BLOCK_R=block_r, BLOCK_D=block_d,
-        num_warps=warps,
+    _launch(
+        _ln_fwd, grid, [x, _vec(weight, x), _vec(bias, x), y, mean, rstd, n, d, ws, bs, eps],
+        dict(HAS_W=weight is not None, HAS_B=bias is not None, ONE_PLUS=one_plus, BLOCK_R=block_r, BLOCK_D=block_d),
+        warps,
     )  # fmt: skip
     return y, mean, rstd
 
@@ -209,10 +224,12 @@ def jvp(x, mean, rstd, weight, tx, tweight, tbias, one_plus: bool, out_dtype: to
     strides = [_sample_stride(v, x) for v in (weight, tweight, tbias)]
     ty = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     block_r, block_d, warps = _blocks(d)
-    _ln_jvp[(samples, triton.cdiv(n, block_r))](
-        x, mean, rstd, _vec(weight, x), _vec(tx, x), _vec(tweight, x), _vec(tbias, x), ty, n, d, *strides,
-        HAS_TX=tx is not None, HAS_W=weight is not None, HAS_TW=tweight is not None, HAS_TB=tbias is not None,
-        ONE_PLUS=one_plus, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=warps,
+    _launch(
+        _ln_jvp, (samples, triton.cdiv(n, block_r)),
+        [x, mean, rstd, _vec(weight, x), _vec(tx, x), _vec(tweight, x), _vec(tbias, x), ty, n, d, *strides],
+        dict(HAS_TX=tx is not None, HAS_W=weight is not None, HAS_TW=tweight is not None, HAS_TB=tbias is not None,
+             ONE_PLUS=one_plus, BLOCK_R=block_r, BLOCK_D=block_d),
+        warps,
     )  # fmt: skip
     return ty
 
@@ -235,10 +252,13 @@ def backward(gy, x, mean, rstd, weight, bias, one_plus: bool, need_gw: bool, nee
     gx = torch.empty_like(x)
     gw = torch.empty((samples, blocks, d), dtype=torch.float32, device=x.device) if need_gw else None
     gb = torch.empty((samples, blocks, d), dtype=torch.float32, device=x.device) if need_gb else None
-    _ln_bwd[(samples, blocks)](
-        gy.contiguous(), x, mean, rstd, _vec(weight, x), gx, _vec(gw, x), _vec(gb, x), n, d, blocks,
-        _sample_stride(weight, x), HAS_W=weight is not None, ONE_PLUS=one_plus, NEED_GW=need_gw, NEED_GB=need_gb,
-        BLOCK_R=block_r, BLOCK_D=block_d, num_warps=warps,
+    _launch(
+        _ln_bwd, (samples, blocks),
+        [gy.contiguous(), x, mean, rstd, _vec(weight, x), gx, _vec(gw, x), _vec(gb, x), n, d, blocks,
+         _sample_stride(weight, x)],
+        dict(HAS_W=weight is not None, ONE_PLUS=one_plus, NEED_GW=need_gw, NEED_GB=need_gb, BLOCK_R=block_r,
+             BLOCK_D=block_d),
+        warps,
     )  # fmt: skip
     return (
         gx,
@@ -307,11 +327,13 @@ def gate_jvp(gate, h, tx, tgate, th, out_dtype: torch.dtype, plan_):
     tx, tgate, th = (None if t is None else t.contiguous() for t in (tx, tgate, th))
     ty = torch.empty(h.shape, dtype=out_dtype, device=h.device)
     block_r, block_d, warps = _blocks(d)
-    _gate_jvp[(samples, triton.cdiv(n, block_r))](
-        _vec(tx, h), gate, h, _vec(tgate, h), _vec(th, h), ty, n, d, _sample_stride(gate, h),
-        _sample_stride(tgate, h) if tgate is not None else 0,
-        HAS_TX=tx is not None, HAS_TG=tgate is not None, HAS_TH=th is not None, BLOCK_R=block_r, BLOCK_D=block_d,
-        num_warps=warps,
+    _launch(
+        _gate_jvp, (samples, triton.cdiv(n, block_r)),
+        [_vec(tx, h), gate, h, _vec(tgate, h), _vec(th, h), ty, n, d, _sample_stride(gate, h),
+         _sample_stride(tgate, h) if tgate is not None else 0],
+        dict(HAS_TX=tx is not None, HAS_TG=tgate is not None, HAS_TH=th is not None, BLOCK_R=block_r,
+             BLOCK_D=block_d),
+        warps,
     )  # fmt: skip
     return ty
 
@@ -324,8 +346,10 @@ def gate_backward(gy, gate, h, need_gate: bool, need_h: bool, plan_):
     blocks = triton.cdiv(n, block_r)
     gh = torch.empty_like(h) if need_h else None
     gg = torch.empty((samples, blocks, d), dtype=torch.float32, device=h.device) if need_gate else None
-    _gate_bwd[(samples, blocks)](
-        gy.contiguous(), h, gate, _vec(gh, h), _vec(gg, h), n, d, blocks, _sample_stride(gate, h),
-        NEED_GH=need_h, NEED_GG=need_gate, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=warps,
+    _launch(
+        _gate_bwd, (samples, blocks),
+        [gy.contiguous(), h, gate, _vec(gh, h), _vec(gg, h), n, d, blocks, _sample_stride(gate, h)],
+        dict(NEED_GH=need_h, NEED_GG=need_gate, BLOCK_R=block_r, BLOCK_D=block_d),
+        warps,
     )  # fmt: skip
     return None if gg is None else _per_sample_sum(gg, gate), gh
