@@ -35,6 +35,25 @@ MAX_D = 8192  # one row's width in one tile; wider rows take the PyTorch ops
 
 
 @triton.jit
+def _tile(N, D, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Program (s, c)'s block of rows: BLOCK_R rows of sample s from row c * BLOCK_R, each BLOCK_D columns wide."""
+    s, c = tl.program_id(0), tl.program_id(1)
+    r = c * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_D)
+    rmask, cmask = r < N, cols < D
+    rows = s.to(tl.int64) * N + r
+    return s, c, rows, cols, rmask, cmask, rmask[:, None] & cmask[None, :], rows[:, None] * D + cols[None, :]
+
+
+@triton.jit
+def _x_hat(X, MEAN, RSTD, rows, offs, rmask, mask):
+    """The forward's normalized rows again, from its saved mean and rstd; and rstd."""
+    mean = tl.load(MEAN + rows, mask=rmask, other=0.0)
+    rstd = tl.load(RSTD + rows, mask=rmask, other=0.0)
+    return tl.where(mask, (_load_rows(X, offs, mask) - mean[:, None]) * rstd[:, None], 0.0), rstd
+
+
+@triton.jit
 def _load_rows(X, offs, mask):
     return tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
 
@@ -61,13 +80,7 @@ def _ln_fwd(
     X, W, B, Y, MEAN, RSTD, N, D, w_ss, b_ss, eps,
     HAS_W: tl.constexpr, HAS_B: tl.constexpr, ONE_PLUS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    s, c = tl.program_id(0), tl.program_id(1)
-    r = c * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tl.arange(0, BLOCK_D)
-    rmask, cmask = r < N, cols < D
-    mask = rmask[:, None] & cmask[None, :]
-    rows = s.to(tl.int64) * N + r
-    offs = rows[:, None] * D + cols[None, :]
+    s, c, rows, cols, rmask, cmask, mask, offs = _tile(N, D, BLOCK_R, BLOCK_D)
     x = _load_rows(X, offs, mask)
     mean = tl.sum(x, axis=1) / D
     xc = tl.where(mask, x - mean[:, None], 0.0)
@@ -88,16 +101,8 @@ def _ln_jvp(
     HAS_TX: tl.constexpr, HAS_W: tl.constexpr, HAS_TW: tl.constexpr, HAS_TB: tl.constexpr, ONE_PLUS: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    s, c = tl.program_id(0), tl.program_id(1)
-    r = c * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tl.arange(0, BLOCK_D)
-    rmask, cmask = r < N, cols < D
-    mask = rmask[:, None] & cmask[None, :]
-    rows = s.to(tl.int64) * N + r
-    offs = rows[:, None] * D + cols[None, :]
-    mean = tl.load(MEAN + rows, mask=rmask, other=0.0)
-    rstd = tl.load(RSTD + rows, mask=rmask, other=0.0)
-    x_hat = tl.where(mask, (_load_rows(X, offs, mask) - mean[:, None]) * rstd[:, None], 0.0)
+    s, c, rows, cols, rmask, cmask, mask, offs = _tile(N, D, BLOCK_R, BLOCK_D)
+    x_hat, rstd = _x_hat(X, MEAN, RSTD, rows, offs, rmask, mask)
     ty = tl.zeros((BLOCK_R, BLOCK_D), dtype=tl.float32)
     if HAS_TX:
         j = _normalized_jacobian(_load_rows(TX, offs, mask), x_hat, rstd, mask, D)
@@ -117,16 +122,8 @@ def _ln_bwd(
     HAS_W: tl.constexpr, ONE_PLUS: tl.constexpr, NEED_GW: tl.constexpr, NEED_GB: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    s, c = tl.program_id(0), tl.program_id(1)
-    r = c * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tl.arange(0, BLOCK_D)
-    rmask, cmask = r < N, cols < D
-    mask = rmask[:, None] & cmask[None, :]
-    rows = s.to(tl.int64) * N + r
-    offs = rows[:, None] * D + cols[None, :]
-    mean = tl.load(MEAN + rows, mask=rmask, other=0.0)
-    rstd = tl.load(RSTD + rows, mask=rmask, other=0.0)
-    x_hat = tl.where(mask, (_load_rows(X, offs, mask) - mean[:, None]) * rstd[:, None], 0.0)
+    s, c, rows, cols, rmask, cmask, mask, offs = _tile(N, D, BLOCK_R, BLOCK_D)
+    x_hat, rstd = _x_hat(X, MEAN, RSTD, rows, offs, rmask, mask)
     gy = _load_rows(GY, offs, mask)
     g = gy
     if HAS_W:
@@ -277,12 +274,7 @@ def _gate_bwd(
     GY, H, GATE, GH, GG, N, D, C, g_ss,
     NEED_GH: tl.constexpr, NEED_GG: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    s, c = tl.program_id(0), tl.program_id(1)
-    r = c * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tl.arange(0, BLOCK_D)
-    rmask, cmask = r < N, cols < D
-    mask = rmask[:, None] & cmask[None, :]
-    offs = (s.to(tl.int64) * N + r)[:, None] * D + cols[None, :]
+    s, c, rows, cols, rmask, cmask, mask, offs = _tile(N, D, BLOCK_R, BLOCK_D)
     gy = _load_rows(GY, offs, mask)
     if NEED_GH:
         gh = gy * _vector(GATE, s, g_ss, cols, cmask, False)[None, :]
@@ -297,12 +289,7 @@ def _gate_jvp(
     TX, GATE, H, TG, TH, TY, N, D, g_ss, tg_ss,
     HAS_TX: tl.constexpr, HAS_TG: tl.constexpr, HAS_TH: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    s, c = tl.program_id(0), tl.program_id(1)
-    r = c * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tl.arange(0, BLOCK_D)
-    rmask, cmask = r < N, cols < D
-    mask = rmask[:, None] & cmask[None, :]
-    offs = (s.to(tl.int64) * N + r)[:, None] * D + cols[None, :]
+    s, c, rows, cols, rmask, cmask, mask, offs = _tile(N, D, BLOCK_R, BLOCK_D)
     ty = tl.zeros((BLOCK_R, BLOCK_D), dtype=tl.float32)
     if HAS_TX:
         ty += _load_rows(TX, offs, mask)
