@@ -268,7 +268,9 @@ class _LayerNorm(torch.autograd.Function):
     def setup_context(ctx, inputs, output):
         x, weight, bias, eps, one_plus, _ = inputs
         _, mean, rstd, one_plus_weight = output
-        ctx.plan = _fused_plan(x, weight, bias)
+        # what the forward did (the kernels' mean has no trailing 1), not a new choice: under torch.func the forward
+        # sees plain tensors and this, the JVP and the backward see the transform's wrappers
+        ctx.plan = adaln.plan(x, weight, bias) if mean.dim() < x.dim() else None
         ctx.one_plus = one_plus
         if one_plus and ctx.plan is None:
             weight = one_plus_weight  # the tangent and gradient of 1 + s are those of s
@@ -282,8 +284,10 @@ class _LayerNorm(torch.autograd.Function):
     def jvp(ctx, tx, tweight, tbias, _eps, _one_plus, _out_dtype):
         x, mean, rstd, weight, _ = ctx.saved_tensors
         if ctx.plan is not None:
-            ty = adaln.jvp(x, mean, rstd, weight, tx, tweight, tbias, ctx.one_plus, ctx.out_dtype, ctx.plan)
-            return ty, None, None, None
+            if not adaln.traced(x):
+                ty = adaln.jvp(x, mean, rstd, weight, tx, tweight, tbias, ctx.one_plus, ctx.out_dtype, ctx.plan)
+                return ty, None, None, None
+            mean, rstd, weight = _as_plain_ops_saved(ctx, mean, rstd, weight)
         with torch.no_grad():
             # ty = (dx_hat/dx) tx * weight + x_hat * tweight + tbias, in few kernels
             out = torch.zeros((), dtype=ctx.out_dtype, device=x.device) if tbias is None else tbias
@@ -303,9 +307,11 @@ class _LayerNorm(torch.autograd.Function):
         if gy is None:
             return None, None, None, None, None, None
         if ctx.plan is not None:
-            need = ctx.needs_input_grad
-            gx, gw, gb = adaln.backward(gy, x, mean, rstd, weight, bias, ctx.one_plus, need[1], need[2], ctx.plan)
-            return gx if need[0] else None, gw, gb, None, None, None
+            if not adaln.traced(x):
+                need = ctx.needs_input_grad
+                gx, gw, gb = adaln.backward(gy, x, mean, rstd, weight, bias, ctx.one_plus, need[1], need[2], ctx.plan)
+                return gx if need[0] else None, gw, gb, None, None, None
+            mean, rstd, weight = _as_plain_ops_saved(ctx, mean, rstd, weight)
         gx = gw = gb = None
         if ctx.needs_input_grad[0]:  # (the product in x's dtype: gy may be the lower out_dtype)
             g = (
@@ -320,6 +326,12 @@ class _LayerNorm(torch.autograd.Function):
             shape, dtype = ctx.bias_meta
             gb = gy.sum_to_size(shape).to(dtype)
         return gx, gw, gb, None, None, None
+
+
+def _as_plain_ops_saved(ctx, mean, rstd, weight):
+    """What the kernels' forward saved, as PyTorch's ops path reads it (mean and rstd with a trailing 1, the weight as
+    1 + s): for a JVP or backward inside torch.func, whose wrapped tensors cannot reach a kernel."""
+    return mean.unsqueeze(-1), rstd.unsqueeze(-1), _affine_weight(weight, ctx.one_plus)
 
 
 def _fused_plan(x, weight, bias):

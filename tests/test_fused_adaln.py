@@ -126,6 +126,20 @@ def test_off_by_default_on_the_cpu():
     assert not adaln.enabled(torch.randn(2, 3))
 
 
+def test_never_on_tensors_a_kernel_cannot_read(monkeypatch):
+    """torch.func's wrappers and fake tensors have no storage for a launch: PyTorch's ops run there."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    monkeypatch.setattr(adaln, "FORCE", True)
+    x = torch.randn(2, 3)
+    assert adaln.enabled(x)
+    seen = []
+    torch.func.vmap(lambda row: seen.append(adaln.enabled(row)) or row)(x)
+    assert seen == [False]
+    with FakeTensorMode():
+        assert not adaln.enabled(torch.empty(2, 3))
+
+
 # gated residual x + gate * h: (x and h shape, gate shape, h's dtype)
 GATE_CASES = [
     ((2, 5, 24), (2, 1, 24), torch.float32),
@@ -213,10 +227,13 @@ def test_gpu_dit_block_shapes(dtype, monkeypatch):
         torch.testing.assert_close(g, f, atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("objective_name", ["flow_matching", "meanflow", "scm"])
-def test_a_dit_step_with_the_kernels_gives_pytorchs_loss_and_gradients(objective_name, monkeypatch):
+@pytest.mark.parametrize(
+    "objective_name, options",
+    [("flow_matching", {}), ("meanflow", {}), ("scm", {}), ("scm", {"jvp_mode": "two_pass"}), ("scm", {"jvp_mode": "func"})],
+)
+def test_a_dit_step_with_the_kernels_gives_pytorchs_loss_and_gradients(objective_name, options, monkeypatch):
     """A whole loss through the DiT (every adaLN and the final layer's norm on the kernels; MeanFlow and sCM through
-    their JVPs too) gives the loss and every gradient of PyTorch's ops."""
+    their JVPs too, in each JVP mode) gives the loss and every gradient of PyTorch's ops."""
     from flm.models import DiT
     from flm.objectives import build_objective
 
@@ -226,7 +243,7 @@ def test_a_dit_step_with_the_kernels_gives_pytorchs_loss_and_gradients(objective
     with torch.no_grad():  # DiT's zero init would leave the modulation's scale and the gates at zero
         for p in model.parameters():
             p.add_(0.05 * torch.randn_like(p))
-    objective = build_objective(objective_name)
+    objective = build_objective(objective_name, **options)
     x, y = torch.randn(4, 1, 8, 8), torch.randint(0, 10, (4,))
 
     def step():

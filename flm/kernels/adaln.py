@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flm.kernels.launch import DirectLaunch
+from flm.kernels.launch import DirectLaunch, traced
 
 ENV = "FLM_FUSED_ADALN"
 FORCE = False  # tests: take the kernels on the CPU too (TRITON_INTERPRET=1)
@@ -150,8 +150,9 @@ def _launch(kernel, grid, args: list, constexprs: dict, warps: int) -> None:
 
 
 def enabled(x: torch.Tensor) -> bool:
-    """Whether layer norms of x take these kernels: CUDA tensors with $FLM_FUSED_ADALN=1, or anything under FORCE."""
-    return FORCE or (x.is_cuda and os.environ.get(ENV, "0") == "1")
+    """Whether x's adaLN takes these kernels: CUDA tensors with $FLM_FUSED_ADALN=1, or any device under FORCE; never
+    inside torch.func's transforms or a tracing mode (flm.kernels.launch.traced: PyTorch's ops run there)."""
+    return (FORCE or (x.is_cuda and os.environ.get(ENV, "0") == "1")) and not traced(x)
 
 
 def _sample_stride(v: torch.Tensor | None, x: torch.Tensor) -> int | None:

@@ -41,6 +41,22 @@ def specialization(args) -> tuple:
     return tuple(key)
 
 
+def traced(x: torch.Tensor) -> bool:
+    """x cannot reach a kernel launch: a functorch wrapper (torch.func's transforms) or a fake, proxy or functional
+    tensor mode is active (torch.compile's tracing; torch 2.11's is_compiling() is False while AOTAutograd traces a
+    custom op's registered backward). A Triton launch needs real storage."""
+    return torch._C._functorch.is_functorch_wrapped_tensor(x) or any(
+        torch._C._get_dispatch_mode(key) is not None for key in _TRACING_MODES
+    )
+
+
+_TRACING_MODES = (
+    torch._C._TorchDispatchModeKey.FAKE,
+    torch._C._TorchDispatchModeKey.PROXY,
+    torch._C._TorchDispatchModeKey.FUNCTIONAL,
+)
+
+
 def _hooked() -> bool:
     """A profiler has set a launch hook (Triton keeps them in chains, empty unless one has)."""
     hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
