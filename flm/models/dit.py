@@ -129,8 +129,11 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, N, D = x.shape
-        qkv = self.qkv(x).reshape(B, N, 3, self.heads, D // self.heads).permute(2, 0, 3, 1, 4)
-        q_BHND, k_BHND, v_BHND = qkv.unbind(0)
+        # q, k, v as strided (B, H, N, D) views of one (B, N, 3, H, D) projection, cut along its own dim 2: the backward
+        # then stacks their gradients straight into the projection's layout (cut along a permuted dim 0, it needed a
+        # second copy to make the stack contiguous)
+        qkv = self.qkv(x).reshape(B, N, 3, self.heads, D // self.heads)
+        q_BHND, k_BHND, v_BHND = (t.transpose(1, 2) for t in qkv.unbind(2))
         o_BHND = attention_fn(q_BHND, k_BHND, v_BHND, backend=self.backend)
         return self.proj(o_BHND.transpose(1, 2).reshape(B, N, D))
 
