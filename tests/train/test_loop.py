@@ -363,3 +363,22 @@ def test_step_ms_leaves_out_grids_and_checkpoints(tmp_path, train_run, monkeypat
     # a DiT-T/4 step takes ~10-30 ms here (the first up to ~300 on a busy CPU); one 1 s pause counted in a window of
     # 2 steps would add 500 ms a step, and each window ran through 2-3 of them
     assert all(m["step_ms"] < 450 for m in windows), [m["step_ms"] for m in windows]
+
+
+def test_the_training_loop_with_the_kernels_logs_pytorchs_losses(tmp_path, monkeypatch, cfg_of, train_entry):
+    """train.py's loop (MeanFlow through its JVP, the EMA, the checkpoint) with the kernels: the losses it logs are
+    PyTorch's ops' to float rounding (flm.kernels.adaln, in Triton's CPU interpreter)."""
+    from flm.kernels import adaln
+    from .conftest import TINY
+
+    def losses(name):
+        cfg = cfg_of("train", TINY + ["objective=meanflow", "trainer.log_every=1", "trainer.ckpt_every=4"])
+        train_entry.run(cfg, str(tmp_path / name))
+        rows = [json.loads(line) for line in open(tmp_path / name / "metrics.jsonl")]
+        return [r["loss"] for r in rows if "loss" in r]
+
+    plain = losses("plain")
+    monkeypatch.setattr(adaln, "FORCE", True)
+    fused = losses("fused")
+    assert len(plain) == 4 and (tmp_path / "fused" / "checkpoints").is_dir()
+    assert fused == pytest.approx(plain, rel=1e-4, abs=1e-6)
