@@ -366,19 +366,23 @@ def test_step_ms_leaves_out_grids_and_checkpoints(tmp_path, train_run, monkeypat
 
 
 def test_the_training_loop_with_the_kernels_logs_pytorchs_losses(tmp_path, monkeypatch, cfg_of, train_entry):
-    """train.py's loop (MeanFlow through its JVP, the EMA, the checkpoint) with the kernels: the losses it logs are
-    PyTorch's ops' to float rounding (flm.kernels.adaln, in Triton's CPU interpreter)."""
+    """train.py's loop (MeanFlow through its JVP, the EMA, the checkpoint) with the kernels: the error and gradient norm
+    it logs are PyTorch's ops' to float rounding (flm.kernels.adaln, in Triton's CPU interpreter)."""
     from flm.kernels import adaln
+
     from .conftest import TINY
 
-    def losses(name):
-        cfg = cfg_of("train", TINY + ["objective=meanflow", "trainer.log_every=1", "trainer.ckpt_every=4"])
+    def logged(name):
+        # a high lr moves the zero-initialised adaLN and output layers within the 4 steps, so that the norms matter
+        overrides = ["objective=meanflow", "trainer.log_every=1", "trainer.ckpt_every=4", "optim.lr=0.02"]
+        cfg = cfg_of("train", TINY + overrides + ["optim.warmup_steps=0"])
         train_entry.run(cfg, str(tmp_path / name))
         rows = [json.loads(line) for line in open(tmp_path / name / "metrics.jsonl")]
-        return [r["loss"] for r in rows if "loss" in r]
+        return [(r["mse"], r["grad_norm"]) for r in rows if "mse" in r]
 
-    plain = losses("plain")
+    plain = logged("plain")
     monkeypatch.setattr(adaln, "FORCE", True)
-    fused = losses("fused")
+    fused = logged("fused")
     assert len(plain) == 4 and (tmp_path / "fused" / "checkpoints").is_dir()
-    assert fused == pytest.approx(plain, rel=1e-4, abs=1e-6)
+    for p, f in zip(plain, fused, strict=True):
+        assert f == pytest.approx(p, rel=1e-4)
