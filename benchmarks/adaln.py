@@ -30,28 +30,29 @@ def kernel_us(fn, iters: int) -> float:
     return sum(e.self_device_time_total for e in prof.key_averages()) / iters
 
 
-def passes(b: int, n: int, d: int):
-    """The three passes at x (b, n, d) fp32, shift and scale (b, 1, d) bf16, output bf16; with the bytes each moves."""
-    x = torch.randn(b, n, d, device="cuda")
-    shift, scale = (0.1 * torch.randn(b, 1, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    gy = torch.randn(b, n, d, device="cuda", dtype=torch.bfloat16)
+def passes(b: int, n: int, d: int, device="cuda", low=torch.bfloat16):
+    """Each pass at x (b, n, d) fp32, shift, scale and h in `low` precision (the matmul's dtype) with the modulation's
+    output in it too, and the bytes each pass moves at bf16."""
+    x = torch.randn(b, n, d, device=device)
+    shift, scale = (0.1 * torch.randn(b, 1, d, device=device, dtype=low) for _ in range(2))
+    gy = torch.randn(b, n, d, device=device, dtype=low)
     tx = torch.randn_like(x)
     ts, tc = torch.randn_like(shift), torch.randn_like(scale)
     leaves = [t.detach().requires_grad_() for t in (x, shift, scale)]
     big = b * n * d
 
     def fwd():
-        return fnn.modulate(x, shift, scale, dtype=torch.bfloat16)
+        return fnn.modulate(x, shift, scale, dtype=low)
 
     def fwd_bwd():
-        return torch.autograd.grad(fnn.modulate(leaves[0], leaves[1], leaves[2], dtype=torch.bfloat16), leaves, gy)
+        return torch.autograd.grad(fnn.modulate(*leaves, dtype=low), leaves, gy)
 
     def jvp():
         with forward_ad.dual_level():
             duals = [forward_ad.make_dual(t, dt) for t, dt in zip((x, shift, scale), (tx, ts, tc))]
-            return forward_ad.unpack_dual(fnn.modulate(*duals, dtype=torch.bfloat16)).tangent
+            return forward_ad.unpack_dual(fnn.modulate(*duals, dtype=low)).tangent
 
-    h = torch.randn(b, n, d, device="cuda", dtype=torch.bfloat16)
+    h = torch.randn(b, n, d, device=device, dtype=low)
     th = torch.randn_like(h)
     gate_leaves = [t.detach().requires_grad_() for t in (x, scale, h)]
     gy32 = gy.float()

@@ -768,3 +768,21 @@ def test_disc_probe_separates_what_differs_and_not_what_does_not():
     same = torch.randn(2 * n, 8, generator=g)
     assert probe(apart, labels, train, test) > 0.95
     assert 0.35 < probe(same, labels, train, test) < 0.65
+
+
+def test_adaln_benchmark_runs_every_pass_both_ways(monkeypatch):
+    """benchmarks/adaln.py's passes, on the kernels (Triton's CPU interpreter) and on PyTorch's ops, give the same
+    outputs (fp16 in place of bf16, which the interpreter does not run)."""
+    bench = load("adaln")
+    from flm.kernels import adaln
+
+    passes = bench.passes(2, 5, 24, device="cpu", low=torch.float16)
+    assert set(passes) == {"modulate fwd", "modulate fwd + bwd", "modulate jvp", "gated residual fwd + bwd", "gated residual jvp"}
+    for name, (fn, nbytes) in passes.items():
+        monkeypatch.setattr(adaln, "FORCE", False)
+        plain = fn()
+        monkeypatch.setattr(adaln, "FORCE", True)
+        fused = fn()
+        plain, fused = (torch.cat([t.float().flatten() for t in (r if isinstance(r, tuple) else (r,))]) for r in (plain, fused))
+        torch.testing.assert_close(fused, plain, atol=2e-2, rtol=2e-2, msg=name)
+        assert nbytes > 0
