@@ -81,19 +81,23 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", nargs="+", default=["128x196x384", "16x1024x768", "4x1024x1152"])
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--tiles", type=int, nargs="+", default=[adaln.TILE], help="elements a program holds (adaln.TILE)")
     args = p.parse_args()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; GPU us per call\n")
-    print("| x (batch x tokens x width) | pass | PyTorch ops us | fused us | speed-up | fused GB/s |")
-    print("|---|---|---|---|---|---|")
+    print("| x (batch x tokens x width) | pass | PyTorch ops us | tile | fused us | speed-up | fused GB/s |")
+    print("|---|---|---|---|---|---|---|")
     for shape in args.shapes:
         b, n, d = (int(v) for v in shape.split("x"))
         for name, (fn, nbytes) in passes(b, n, d).items():
             adaln.FORCE = False
             plain = kernel_us(fn, args.iters)
             adaln.FORCE = True
-            fused = kernel_us(fn, args.iters)
+            for tile in args.tiles:
+                adaln.TILE = tile
+                fused = kernel_us(fn, args.iters)
+                row = f"| {shape} | {name} | {plain:.1f} | {tile} | {fused:.1f} | {plain / fused:.2f}x | {nbytes / fused / 1e3:.0f} |"
+                print(row, flush=True)
             adaln.FORCE = False
-            print(f"| {shape} | {name} | {plain:.1f} | {fused:.1f} | {plain / fused:.2f}x | {nbytes / fused / 1e3:.0f} |")
 
 
 if __name__ == "__main__":

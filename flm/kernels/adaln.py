@@ -32,6 +32,7 @@ from flm.kernels.launch import DirectLaunch, traced
 ENV = "FLM_FUSED_ADALN"
 FORCE = False  # tests: take the kernels on the CPU too (TRITON_INTERPRET=1)
 MAX_D = 8192  # one row's width in one tile; wider rows take the PyTorch ops
+TILE = 4096  # elements a program holds (sm_90, D = 384-1152: 90-115 registers a thread, no spills); benchmarks/adaln.py --tiles
 
 
 @triton.jit
@@ -184,9 +185,10 @@ def plan(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None
 
 
 def _blocks(d: int) -> tuple[int, int, int]:
+    """(rows per program, the row's power-of-two width, warps): about TILE elements a program, 16 per thread."""
     block_d = triton.next_power_of_2(d)
-    block_r = max(1, min(16, 4096 // block_d))
-    return block_r, block_d, 8 if block_d * block_r >= 4096 else 4
+    block_r = max(1, min(16, TILE // block_d))
+    return block_r, block_d, max(1, min(8, block_r * block_d // 512))
 
 
 def _vec(v: torch.Tensor | None, dummy: torch.Tensor) -> torch.Tensor:
