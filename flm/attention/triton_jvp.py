@@ -31,7 +31,7 @@ from flm.attention.flash import unsupported as fa2_unsupported
 from flm.attention.inputs import unpack_duals
 from flm.kernels.attention_bwd import attention_bwd as triton_bwd
 from flm.kernels.attention_fwd import attention_fwd, check_head_dim, interpreted
-from flm.kernels.launch import _TRACING_MODES
+from flm.kernels.launch import tracing
 from flm.nn import signed
 
 # ---------------------------------------------------------------------------------------------
@@ -415,13 +415,7 @@ def _warn_flash_attn_signature(err: Exception) -> None:
 
 def _op(op, impl):
     """The custom op while torch.compile traces; its Python body in eager mode (no dispatcher overhead)."""
-    return op if torch.compiler.is_compiling() or _tracing_fake() else impl
-
-
-def _tracing_fake() -> bool:
-    # AOTAutograd traces a custom op's registered backward under fake tensors; torch 2.11's is_compiling() is False
-    # there, and a Triton launch on a fake tensor fails (its data pointer)
-    return any(torch._C._get_dispatch_mode(key) is not None for key in _TRACING_MODES)
+    return op if torch.compiler.is_compiling() or tracing() else impl
 
 
 # ---------------------------------------------------------------------------------------------

@@ -41,13 +41,16 @@ def specialization(args) -> tuple:
     return tuple(key)
 
 
+def tracing() -> bool:
+    """A fake, proxy or functional tensor mode is active: torch.compile is tracing (torch 2.11's is_compiling() is
+    False while AOTAutograd traces a custom op's registered backward). A Triton launch there would meet tensors
+    without storage."""
+    return any(torch._C._get_dispatch_mode(key) is not None for key in _TRACING_MODES)
+
+
 def traced(x: torch.Tensor) -> bool:
-    """x cannot reach a kernel launch: a functorch wrapper (torch.func's transforms) or a fake, proxy or functional
-    tensor mode is active (torch.compile's tracing; torch 2.11's is_compiling() is False while AOTAutograd traces a
-    custom op's registered backward). A Triton launch needs real storage."""
-    return torch._C._functorch.is_functorch_wrapped_tensor(x) or any(
-        torch._C._get_dispatch_mode(key) is not None for key in _TRACING_MODES
-    )
+    """x cannot reach a kernel launch: a functorch wrapper (torch.func's transforms), or a tracing mode is active."""
+    return torch._C._functorch.is_functorch_wrapped_tensor(x) or tracing()
 
 
 _TRACING_MODES = (
