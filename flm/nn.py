@@ -258,7 +258,7 @@ class _LayerNorm(torch.autograd.Function):
     # backward and jvp reuse them; out_dtype: the output's dtype (None: the affine's own), written by the affine's kernel
     @staticmethod
     def forward(x, weight, bias, eps, one_plus, out_dtype):
-        plan = _fused_plan(x, weight, bias)
+        plan = adaln.plan(x, weight, bias) if adaln.enabled(x) else None
         if plan is not None:  # one kernel (flm.kernels.adaln); the backward and the JVP then take its kernels too
             return (*adaln.forward(x, weight, bias, eps, one_plus, out_dtype, plan), None)
         x_hat, mean, rstd = torch.native_layer_norm(x, (x.shape[-1],), None, None, eps)
@@ -333,11 +333,6 @@ def _as_plain_ops_saved(ctx, mean, rstd, weight):
     """What the kernels' forward saved, as PyTorch's ops path reads it (mean and rstd with a trailing 1, the weight as
     1 + s): for a JVP or backward inside torch.func, whose wrapped tensors cannot reach a kernel."""
     return mean.unsqueeze(-1), rstd.unsqueeze(-1), _affine_weight(weight, ctx.one_plus)
-
-
-def _fused_plan(x, weight, bias):
-    """The fused kernels' plan for this call (flm.kernels.adaln), None for PyTorch's ops."""
-    return adaln.plan(x, weight, bias) if adaln.enabled(x) else None
 
 
 def _affine_weight(weight, one_plus: bool):
