@@ -97,7 +97,7 @@ def main():
                 fused = kernel_us(fn, args.iters)
                 row = f"| {shape} | {name} | {plain:.1f} | {tile} | {fused:.1f} | {plain / fused:.2f}x | {nbytes / fused / 1e3:.0f} |"
                 print(row, flush=True)
-            adaln.FORCE = False
+            adaln.FORCE = None
 
 
 if __name__ == "__main__":

@@ -14,8 +14,9 @@ Layers: `linear`, `layer_norm` (optional affine, per-channel or per-sample; `mod
 `x_hat * (1 + scale) + shift`), `gelu_tanh`, `silu` and the
 gated residual `x + gate * h`. Everything else in the DiT is linear in its inputs (reshape, add,
 chunk), saves nothing, and needs no special care. Under autocast the wrappers cast matmul inputs
-to the autocast dtype before the Function, as autocast would. With $FLM_FUSED_ADALN=1 on CUDA, the layer norm's
-passes and the gated residual's JVP and backward run flm.kernels.adaln's fused kernels instead of several PyTorch ops.
+to the autocast dtype before the Function, as autocast would. On CUDA (unless $FLM_FUSED_ADALN=0), the layer
+norm's passes and the gated residual's JVP and backward run flm.kernels.adaln's fused kernels instead of several
+PyTorch ops.
 
     from flm import nn as fnn
     y = fnn.linear(x, w, b)

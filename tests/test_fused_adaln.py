@@ -126,6 +126,22 @@ def test_off_by_default_on_the_cpu():
     assert not adaln.enabled(torch.randn(2, 3))
 
 
+def test_on_by_default_on_cuda_unless_the_environment_or_force_says_otherwise(monkeypatch):
+    class OnCuda:  # all that enabled reads of a tensor once traced is patched out
+        is_cuda = True
+
+    monkeypatch.setattr(adaln, "traced", lambda x: False)
+    monkeypatch.delenv(adaln.ENV, raising=False)
+    assert adaln.enabled(OnCuda())
+    monkeypatch.setenv(adaln.ENV, "0")
+    assert not adaln.enabled(OnCuda())
+    monkeypatch.setattr(adaln, "FORCE", True)
+    assert adaln.enabled(OnCuda())
+    monkeypatch.delenv(adaln.ENV)
+    monkeypatch.setattr(adaln, "FORCE", False)
+    assert not adaln.enabled(OnCuda())
+
+
 def test_never_on_tensors_a_kernel_cannot_read(monkeypatch):
     """torch.func's wrappers and fake tensors have no storage for a launch: PyTorch's ops run there."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -223,7 +239,10 @@ def test_gpu_dit_block_shapes(dtype, monkeypatch):
     again = run()  # the kernels' second launches go through flm.kernels.launch.DirectLaunch
     for p, f, g in zip(plain, fused, again, strict=True):
         assert f.dtype == p.dtype
-        torch.testing.assert_close(f.float(), p.float(), atol=5e-2, rtol=2e-2)
+        # bf16 affines: a one-ulp difference in the bf16 y, times h and the gate, can reach ~0.06 in a few elements of
+        # ~0.5 (one in 786432 on an H100); the mean error bounds the rest
+        torch.testing.assert_close(f.float(), p.float(), atol=5e-2 if dtype == torch.float32 else 1e-1, rtol=2e-2)
+        assert (f.float() - p.float()).abs().mean() <= 1e-2 * p.float().abs().mean()
         torch.testing.assert_close(g, f, atol=0, rtol=0)
 
 

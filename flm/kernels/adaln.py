@@ -17,8 +17,9 @@ Gated residual y = x + gate * h (gate per sample): its forward is one addcmul al
 in h's dtype, the gate's per-sample sum of gy * h) and its JVP (tx + tgate * h + gate * th) are one kernel each here,
 three or four in PyTorch's ops.
 
-Used on CUDA tensors when $FLM_FUSED_ADALN=1 (not yet the default: to be measured on a GPU first); `FORCE` runs it on
-any device (tests, in Triton's CPU interpreter).
+Used on CUDA tensors by default ($FLM_FUSED_ADALN=0 turns it off): on an H100 the graphed DiT-S/2 steps take 0.83x
+(flow matching), 0.74x (sCD) and 0.78x (rCM) of their time on PyTorch's ops (docs/train_step.md, Run N). `FORCE` runs
+it on any device (tests, in Triton's CPU interpreter) or on none.
 """
 
 import os
@@ -30,7 +31,8 @@ import triton.language as tl
 from flm.kernels.launch import DirectLaunch, traced
 
 ENV = "FLM_FUSED_ADALN"
-FORCE = False  # tests: take the kernels on the CPU too (TRITON_INTERPRET=1)
+# None: CUDA tensors unless $FLM_FUSED_ADALN=0; True: every device (tests, TRITON_INTERPRET=1); False: none
+FORCE: bool | None = None
 MAX_D = 8192  # one row's width in one tile; wider rows take the PyTorch ops
 TILE = 4096  # elements a program holds (sm_90, D = 384-1152: 90-115 registers a thread, no spills); benchmarks/adaln.py --tiles
 
@@ -151,9 +153,10 @@ def _launch(kernel, grid, args: list, constexprs: dict, warps: int) -> None:
 
 
 def enabled(x: torch.Tensor) -> bool:
-    """Whether x's adaLN takes these kernels: CUDA tensors with $FLM_FUSED_ADALN=1, or any device under FORCE; never
-    inside torch.func's transforms or a tracing mode (flm.kernels.launch.traced: PyTorch's ops run there)."""
-    return (FORCE or (x.is_cuda and os.environ.get(ENV, "0") == "1")) and not traced(x)
+    """Whether x's adaLN takes these kernels: CUDA tensors unless $FLM_FUSED_ADALN=0, or as FORCE says; never inside
+    torch.func's transforms or a tracing mode (flm.kernels.launch.traced: PyTorch's ops run there)."""
+    on = x.is_cuda and os.environ.get(ENV, "1") != "0" if FORCE is None else FORCE
+    return on and not traced(x)
 
 
 def _sample_stride(v: torch.Tensor | None, x: torch.Tensor) -> int | None:
