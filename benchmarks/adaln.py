@@ -81,11 +81,14 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", nargs="+", default=["128x196x384", "16x1024x768", "4x1024x1152"])
     p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--tiles", type=int, nargs="+", default=[adaln.TILE], help="elements a program holds (adaln.TILE)")
+    p.add_argument(
+        "--tiles", type=int, nargs="+", default=[adaln.TILE], help="elements a program holds in every pass (adaln.TILE, BWD_TILE)"
+    )
     args = p.parse_args()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; GPU us per call\n")
     print("| x (batch x tokens x width) | pass | PyTorch ops us | tile | fused us | speed-up | fused GB/s |")
     print("|---|---|---|---|---|---|---|")
+    tiles = adaln.TILE, adaln.BWD_TILE
     for shape in args.shapes:
         b, n, d = (int(v) for v in shape.split("x"))
         for name, (fn, nbytes) in passes(b, n, d).items():
@@ -93,11 +96,12 @@ def main():
             plain = kernel_us(fn, args.iters)
             adaln.FORCE = True
             for tile in args.tiles:
-                adaln.TILE = tile
+                adaln.TILE = adaln.BWD_TILE = tile
                 fused = kernel_us(fn, args.iters)
                 row = f"| {shape} | {name} | {plain:.1f} | {tile} | {fused:.1f} | {plain / fused:.2f}x | {nbytes / fused / 1e3:.0f} |"
                 print(row, flush=True)
             adaln.FORCE = None
+            adaln.TILE, adaln.BWD_TILE = tiles
 
 
 if __name__ == "__main__":

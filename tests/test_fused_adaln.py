@@ -75,6 +75,22 @@ def test_backward_matches_pytorch(case, monkeypatch):
         torch.testing.assert_close(f, p, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("tile", [64, 256, 8192])  # 1, 4 and 16 rows of width 64 a program: other partial sums
+def test_backwards_at_any_tile_match_pytorch(tile, monkeypatch):
+    """The backwards' own tile (BWD_TILE) moves only how rows are split among programs, not the gradients."""
+    monkeypatch.setattr(adaln, "BWD_TILE", tile)
+    x, w, b, one_plus = _inputs(CASES[1])
+    gy = torch.randn(x.shape, generator=torch.Generator().manual_seed(1))
+    leaves = [t.requires_grad_() for t in (x, w, b)]
+
+    def grads():  # the modulation, then a gated residual of its output, as in a block
+        return torch.autograd.grad(fnn.gated_residual(x, w, _call(x, w, b, one_plus)), leaves, gy)
+
+    plain, fused = _both(grads, monkeypatch)
+    for p, f in zip(plain, fused, strict=True):
+        torch.testing.assert_close(f, p, atol=1e-4, rtol=1e-4)
+
+
 def test_backward_returns_only_the_gradients_asked_for(monkeypatch):
     monkeypatch.setattr(adaln, "FORCE", True)
     x, w, b, _ = _inputs(CASES[0])

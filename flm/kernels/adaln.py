@@ -35,6 +35,8 @@ ENV = "FLM_FUSED_ADALN"
 FORCE: bool | None = None
 MAX_D = 8192  # one row's width in one tile; wider rows take the PyTorch ops
 TILE = 4096  # elements a program holds (sm_90, D = 384-1152: 90-115 registers a thread, no spills); benchmarks/adaln.py --tiles
+# the backwards' tile: at 8192 they took 0.68-0.74x their time at 4096 on an H100, D = 384-1152 (docs/train_step.md, Run N)
+BWD_TILE = 8192
 
 
 @triton.jit
@@ -187,10 +189,10 @@ def plan(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None
     return samples, x.numel() // d // samples
 
 
-def _blocks(d: int) -> tuple[int, int, int]:
-    """(rows per program, the row's power-of-two width, warps): about TILE elements a program, 16 per thread."""
+def _blocks(d: int, tile: int | None = None) -> tuple[int, int, int]:
+    """(rows per program, the row's power-of-two width, warps): about `tile` (TILE) elements a program."""
     block_d = triton.next_power_of_2(d)
-    block_r = max(1, min(16, TILE // block_d))
+    block_r = max(1, min(16, (tile or TILE) // block_d))
     return block_r, block_d, max(1, min(8, block_r * block_d // 512))
 
 
@@ -249,7 +251,7 @@ def backward(gy, x, mean, rstd, weight, bias, one_plus: bool, need_gw: bool, nee
     """gx (x's dtype), and the gradients of weight (or of the scale, with one_plus) and bias, or None."""
     samples, n = plan_
     d = x.shape[-1]
-    block_r, block_d, warps = _blocks(d)
+    block_r, block_d, warps = _blocks(d, BWD_TILE)
     blocks = triton.cdiv(n, block_r)
     need_gw, need_gb = need_gw and weight is not None, need_gb and bias is not None
     gx = torch.empty_like(x)
@@ -335,7 +337,7 @@ def gate_backward(gy, gate, h, need_gate: bool, need_h: bool, plan_):
     """The gradients of gate (its dtype and shape) and of h (its dtype), or None where not needed."""
     samples, n = plan_
     d = h.shape[-1]
-    block_r, block_d, warps = _blocks(d)
+    block_r, block_d, warps = _blocks(d, BWD_TILE)
     blocks = triton.cdiv(n, block_r)
     gh = torch.empty_like(h) if need_h else None
     gg = torch.empty((samples, blocks, d), dtype=torch.float32, device=h.device) if need_gate else None
