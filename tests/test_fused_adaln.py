@@ -158,6 +158,23 @@ def test_on_by_default_on_cuda_unless_the_environment_or_force_says_otherwise(mo
     assert not adaln.enabled(OnCuda())
 
 
+def test_a_kernel_that_fails_names_the_way_back_to_pytorchs_ops(monkeypatch):
+    class Broken:  # a kernel that Triton cannot build here
+        __name__ = "_ln_fwd"
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                raise ValueError("out of resources: shared memory")
+
+            return launch
+
+    monkeypatch.setattr(adaln, "FORCE", True)
+    monkeypatch.setattr(adaln, "_ln_fwd", Broken())
+    x, w, b, one_plus = _inputs(CASES[0])
+    with pytest.raises(RuntimeError, match=r"_ln_fwd failed on cpu \(ValueError: out of resources.*FLM_FUSED_ADALN=0"):
+        _call(x, w, b, one_plus)
+
+
 def test_never_on_tensors_a_kernel_cannot_read(monkeypatch):
     """torch.func's wrappers and fake tensors have no storage for a launch: PyTorch's ops run there."""
     from torch._subclasses.fake_tensor import FakeTensorMode

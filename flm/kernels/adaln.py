@@ -146,12 +146,20 @@ _DIRECT: dict = {}  # kernel -> its DirectLaunch (CUDA)
 
 def _launch(kernel, grid, args: list, constexprs: dict, warps: int) -> None:
     """kernel[grid](*args, **constexprs): on CUDA through flm.kernels.launch.DirectLaunch (a fraction of Triton's own
-    launch's host time; an eager step issues about a hundred of these), else (Triton's CPU interpreter) as usual."""
-    if args[0].is_cuda:
-        launch = _DIRECT.get(kernel) or _DIRECT.setdefault(kernel, DirectLaunch(kernel))
-        launch(grid, args, constexprs, warps, 1)
-    else:
-        kernel[grid](*args, **constexprs, num_warps=warps)
+    launch's host time; an eager step issues about a hundred of these), else (Triton's CPU interpreter) as usual. A
+    kernel that does not build or launch here (another GPU, another Triton) fails naming the way back to PyTorch's ops."""
+    try:
+        if args[0].is_cuda:
+            launch = _DIRECT.get(kernel) or _DIRECT.setdefault(kernel, DirectLaunch(kernel))
+            launch(grid, args, constexprs, warps, 1)
+        else:
+            kernel[grid](*args, **constexprs, num_warps=warps)
+    except Exception as err:
+        name = getattr(kernel, "__name__", kernel)
+        raise RuntimeError(
+            f"flm's fused adaLN kernel {name} failed on {args[0].device} ({type(err).__name__}: {err}); set "
+            f"{ENV}=0 to run the DiT's adaLN on PyTorch's ops instead"
+        ) from err
 
 
 def enabled(x: torch.Tensor) -> bool:
