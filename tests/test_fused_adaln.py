@@ -273,8 +273,11 @@ def test_gpu_dit_block_shapes(dtype, monkeypatch):
     for p, f, g in zip(plain, fused, again, strict=True):
         assert f.dtype == p.dtype
         # bf16 affines: a one-ulp difference in the bf16 y, times h and the gate, can reach ~0.06 in a few elements of
-        # ~0.5 (one in 786432 on an H100); the mean error bounds the rest
-        torch.testing.assert_close(f.float(), p.float(), atol=5e-2 if dtype == torch.float32 else 1e-1, rtol=2e-2)
+        # ~0.5 (one in 786432 on an H100); the affines' gradients are bf16 sums over 256 tokens, where summing in another
+        # order moves an element by an ulp of the largest ones (0.25 at ~40, 5 of 3072 on an H100). The mean error
+        # bounds the rest.
+        atol = 5e-2 if dtype == torch.float32 else max(1e-1, 2**-7 * p.float().abs().max().item())
+        torch.testing.assert_close(f.float(), p.float(), atol=atol, rtol=2e-2)
         assert (f.float() - p.float()).abs().mean() <= 1e-2 * p.float().abs().mean()
         torch.testing.assert_close(g, f, atol=0, rtol=0)
 
