@@ -305,8 +305,11 @@ def _fwd_impl(
     scale: float,
     bias: Tensor | None = None,
     key_padding_mask: Tensor | None = None,
+    sdpa_layout: bool = False,
 ) -> tuple[Tensor, Tensor]:
-    o, _, lse = attention_fwd(q, k, v, causal=causal, scale=scale, bias=bias, key_padding_mask=key_padding_mask)
+    o, _, lse = attention_fwd(
+        q, k, v, causal=causal, scale=scale, bias=bias, key_padding_mask=key_padding_mask, sdpa_layout=sdpa_layout
+    )
     return o, lse
 
 
@@ -330,9 +333,21 @@ def _jvp_fwd_impl(
     bias: Tensor | None = None,
     bias_tangent: Tensor | None = None,
     key_padding_mask: Tensor | None = None,
+    sdpa_layout: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     return attention_fwd(
-        q, k, v, tq, tk, tv, causal=causal, scale=scale, bias=bias, bias_tangent=bias_tangent, key_padding_mask=key_padding_mask
+        q,
+        k,
+        v,
+        tq,
+        tk,
+        tv,
+        causal=causal,
+        scale=scale,
+        bias=bias,
+        bias_tangent=bias_tangent,
+        key_padding_mask=key_padding_mask,
+        sdpa_layout=sdpa_layout,
     )
 
 
@@ -344,14 +359,15 @@ def _(q, k, v, tq, tk, tv, causal, scale, bias=None, bias_tangent=None, key_padd
     return q.new_empty(q.shape), q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
-def _bwd_impl(
+def _bwd_any_layout(
     do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, causal: bool, scale: float
 ) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) in whatever layout the backward wrote them (cuDNN's that of q, k, v: in the DiT, strided views of
+    one projection, whose gradients the engine stacks into that projection's layout without another copy)."""
     impl = backward_impl(q)
     if impl == "cudnn" and _forced(os.environ.get(BACKWARD_ENV, "auto")) is None:
         try:
-            dq, dk, dv = BACKWARDS["cudnn"](do, q, k, v, o, lse, causal, scale)
-            return dq.contiguous(), dk.contiguous(), dv.contiguous()
+            return BACKWARDS["cudnn"](do, q, k, v, o, lse, causal, scale)
         except RuntimeError as err:  # passed the self-check, refused these shapes: not again for such inputs
             key = (q.device, q.dtype, q.shape[-1])
             _CUDNN_VERDICTS[key] = _raised(err)
@@ -364,9 +380,15 @@ def _bwd_impl(
         except TypeError as e:  # another flash_attn release with another private signature
             _warn_flash_attn_signature(e)
             impl = "torch_fa2"
-    dq, dk, dv = BACKWARDS[impl](do, q, k, v, o, lse, causal, scale)
-    # custom ops must not return views of their inputs
-    return dq.contiguous(), dk.contiguous(), dv.contiguous()
+    return BACKWARDS[impl](do, q, k, v, o, lse, causal, scale)
+
+
+def _bwd_impl(
+    do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, causal: bool, scale: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The custom op's body: contiguous gradients, as its fake implementation promises torch.compile (and a custom op
+    must not return views)."""
+    return tuple(g.contiguous() for g in _bwd_any_layout(do, q, k, v, o, lse, causal, scale))
 
 
 _bwd_op = torch.library.custom_op("flm::attention_bwd", _bwd_impl, mutates_args=())
@@ -406,6 +428,14 @@ def _(do, q, k, v, o, lse, causal, scale, bias, key_padding_mask, bias_grad):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias
 
 
+# the eager bodies of the ops above, where they differ from the ops' own
+_EAGER = {
+    _fwd_impl: functools.partial(_fwd_impl, sdpa_layout=True),
+    _jvp_fwd_impl: functools.partial(_jvp_fwd_impl, sdpa_layout=True),
+    _bwd_impl: _bwd_any_layout,
+}
+
+
 @functools.cache
 def _warn_flash_attn_signature(err: Exception) -> None:
     warnings.warn(
@@ -414,8 +444,12 @@ def _warn_flash_attn_signature(err: Exception) -> None:
 
 
 def _op(op, impl):
-    """The custom op while torch.compile traces; its Python body in eager mode (no dispatcher overhead)."""
-    return op if torch.compiler.is_compiling() or tracing() else impl
+    """The custom op while torch.compile traces; its Python body in eager mode (no dispatcher overhead). The ops'
+    outputs are contiguous, as their fake implementations tell the compiler; in eager mode the forwards write O in
+    SDPA's layout (see attention_fwd's sdpa_layout) and the backward returns gradients in the layout it wrote them."""
+    if torch.compiler.is_compiling() or tracing():
+        return op
+    return _EAGER.get(impl, impl)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -433,7 +467,8 @@ def _backward(ctx, do, bias_grad: bool):
     q, k, v, o, lse, bias, key_padding_mask = ctx.saved_tensors
     if do is None:  # gradients are not materialised: o took none
         return None, None, None, None
-    do = do.contiguous()
+    if do.stride(-1) != 1:  # the backwards read rows of the head dim; any other layout they take as it comes
+        do = do.contiguous()
     if bias is None and key_padding_mask is None:
         return *_op(_bwd_op, _bwd_impl)(do, q, k, v, o, lse, ctx.causal, ctx.scale), None
     dq, dk, dv, dbias = _op(_bias_bwd_op, _bias_bwd_impl)(
