@@ -30,7 +30,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from flm.attention.flash import unsupported as fa2_unsupported
 from flm.attention.inputs import unpack_duals
 from flm.kernels.attention_bwd import attention_bwd as triton_bwd
-from flm.kernels.attention_fwd import attention_fwd, check_head_dim, interpreted
+from flm.kernels.attention_fwd import attention_fwd, check_head_dim, empty_output, interpreted
 from flm.kernels.launch import tracing
 from flm.nn import signed
 
@@ -297,6 +297,10 @@ def _auto_impl(device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
+def _fake_output(q: Tensor, sdpa_layout: bool) -> Tensor:
+    return empty_output(q) if sdpa_layout else q.new_empty(q.shape)
+
+
 def _fwd_impl(
     q: Tensor,
     k: Tensor,
@@ -317,8 +321,8 @@ _fwd_op = torch.library.custom_op("flm::attention_fwd", _fwd_impl, mutates_args=
 
 
 @_fwd_op.register_fake
-def _(q, k, v, causal, scale, bias=None, key_padding_mask=None):
-    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
+def _(q, k, v, causal, scale, bias=None, key_padding_mask=None, sdpa_layout=False):
+    return _fake_output(q, sdpa_layout), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 def _jvp_fwd_impl(
@@ -355,8 +359,9 @@ _jvp_fwd_op = torch.library.custom_op("flm::attention_jvp_fwd", _jvp_fwd_impl, m
 
 
 @_jvp_fwd_op.register_fake
-def _(q, k, v, tq, tk, tv, causal, scale, bias=None, bias_tangent=None, key_padding_mask=None):
-    return q.new_empty(q.shape), q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
+def _(q, k, v, tq, tk, tv, causal, scale, bias=None, bias_tangent=None, key_padding_mask=None, sdpa_layout=False):
+    o = _fake_output(q, sdpa_layout)
+    return o, torch.empty_like(o), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 def _bwd_any_layout(
@@ -523,7 +528,7 @@ class _AttentionWithJVP(_Attention):
 
 
 def _jvp_fwd_setup_context(ctx, inputs, output):
-    q, k, v, _, _, _, causal, scale, bias, _, key_padding_mask = inputs
+    q, k, v, _, _, _, causal, scale, bias, _, key_padding_mask = inputs[:11]  # the op's also has sdpa_layout
     o, _, lse = output
     ctx.causal, ctx.scale, ctx.bias_grad = causal, scale, bias is not None and bias.requires_grad
     ctx.save_for_backward(q, k, v, o, lse, bias, key_padding_mask)
@@ -540,7 +545,10 @@ def _jvp_fwd_backward(ctx, do, _dto, _dlse):
     return dq, dk, dv, None, None, None, None, None, dbias, None, None
 
 
-_jvp_fwd_op.register_autograd(_jvp_fwd_backward, setup_context=_jvp_fwd_setup_context)
+_jvp_fwd_op.register_autograd(
+    lambda ctx, *grads: (*_jvp_fwd_backward(ctx, *grads), None),  # and none for sdpa_layout
+    setup_context=_jvp_fwd_setup_context,
+)
 
 
 @signed
