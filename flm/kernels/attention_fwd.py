@@ -587,15 +587,6 @@ def next_power_of_2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-def empty_output(q: torch.Tensor, width: int | None = None) -> torch.Tensor:
-    """An uninitialised O for q (B, H, L, D), laid out (B, L, H, width) as SDPA lays its own out: the caller's
-    o.transpose(1, 2).reshape(B, L, H * D), and the gradient coming back in that layout, then need no copies.
-    width (the padded head dim, at least D) defaults to what the kernel pads D to; the view drops the padding."""
-    b, h, n, d = q.shape
-    width = max(d, split_head_dim(d)[0]) if width is None else width
-    return q.new_empty((b, n, h, width)).transpose(1, 2)[..., :d]
-
-
 def _prepare(x: torch.Tensor, width: int) -> torch.Tensor:
     """x (4 dims) in the kernel's layout: head dim zero-padded to `width` (above 128 only), unit head-dim stride and
     every other stride a multiple of 8 elements (16-byte aligned rows). Copies only when needed."""
@@ -622,12 +613,8 @@ def attention_fwd(
     bias=None,
     bias_tangent=None,
     key_padding_mask=None,
-    sdpa_layout: bool = True,
 ):
     """(o, to, lse) for q (B, H, Lq, D), k/v (B, H, Lkv, D); to is None without tangents.
-
-    sdpa_layout: o and to are (B, H, Lq, D) views of (B, Lq, H, D) storage, as SDPA's output (empty_output), so that
-    merging the heads after attention, and the gradient coming back, copy nothing; else contiguous (B, H, Lq, D).
 
     Inputs are assumed checked (flm.attention.inputs); lse is (B, H, Lq) fp32 in natural log.
     config = (BLOCK_M, BLOCK_N, num_warps, num_stages) skips tuning (benchmarks/attention_configs.py).
@@ -648,7 +635,7 @@ def attention_fwd(
     width = max(d, block_d)  # the padded width above 128, else d
     q, k, v = (_prepare(x, width) for x in (q, k, v))
     tq, tk, tv = (_prepare(x, width) for x in (tq, tk, tv)) if has_tangent else (q, k, v)
-    o = empty_output(q, width) if sdpa_layout else q.new_empty((b, h, lq, width))  # the padding columns kept here
+    o = torch.empty((b, h, lq, width), dtype=q.dtype, device=q.device)
     to = torch.empty_like(o) if has_tangent else o
     lse = torch.empty((b, h, lq), dtype=torch.float32, device=q.device)
     # broadcast dims read with stride 0; absent inputs pass q and zero strides (the kernel ignores them)
@@ -719,13 +706,4 @@ def attention_fwd(
     return o, to if has_tangent else None, lse
 
 
-__all__ = [
-    "attention_fwd",
-    "autotuning",
-    "empty_output",
-    "candidates",
-    "check_head_dim",
-    "split_head_dim",
-    "interpreted",
-    "SUPPORTED_HEAD_DIMS",
-]
+__all__ = ["attention_fwd", "autotuning", "candidates", "check_head_dim", "split_head_dim", "interpreted", "SUPPORTED_HEAD_DIMS"]
