@@ -310,7 +310,18 @@ def _fwd_impl(
     return o, lse
 
 
-_fwd_op = torch.library.custom_op("flm::attention_fwd", _fwd_impl, mutates_args=())
+def _contiguous_outputs(fn):
+    """A custom op's body: fn with contiguous outputs, the layout the op's fake implementation gives torch.compile
+    (above head dim 128 the kernel writes padded rows, which eager mode keeps as views without the padding)."""
+
+    @functools.wraps(fn)  # the op's schema comes from fn's signature
+    def body(*args, **kwargs):
+        return tuple(x.contiguous() for x in fn(*args, **kwargs))
+
+    return body
+
+
+_fwd_op = torch.library.custom_op("flm::attention_fwd", _contiguous_outputs(_fwd_impl), mutates_args=())
 
 
 @_fwd_op.register_fake
@@ -336,7 +347,7 @@ def _jvp_fwd_impl(
     )
 
 
-_jvp_fwd_op = torch.library.custom_op("flm::attention_jvp_fwd", _jvp_fwd_impl, mutates_args=())
+_jvp_fwd_op = torch.library.custom_op("flm::attention_jvp_fwd", _contiguous_outputs(_jvp_fwd_impl), mutates_args=())
 
 
 @_jvp_fwd_op.register_fake

@@ -141,14 +141,15 @@ def test_compiles_without_graph_breaks():
     torch.testing.assert_close(w_grad, w.grad)
 
 
-def test_a_compiled_jvp_takes_the_fused_kernel(monkeypatch):
+@pytest.mark.parametrize("d", [32, 160])  # 160: the kernel pads it to 256, eager mode keeps views without the padding
+def test_a_compiled_jvp_takes_the_fused_kernel(monkeypatch, d):
     """torch.func.jvp under torch.compile (trainer.compile's path): one fused launch gives o and its tangent, and the
     loss and gradients match eager mode; the fused op's autograd formula gives o's gradient in compiled code."""
     torch._dynamo.reset()
-    q, k, v, tq, tk, tv = _qkv(1, 2, 16, 16, 32, torch.float32, seed=6)
+    q, k, v, tq, tk, tv = _qkv(1, 2, 16, 16, d, torch.float32, seed=6)
     for x in (q, k, v):
         x.requires_grad_(True)
-    w = torch.randn(32, 32, requires_grad=True)
+    w = torch.randn(d, d, requires_grad=True)
 
     def step(q, k, v):
         f = lambda q, k, v: attention(q @ w, k, v, backend="triton_jvp")  # noqa: E731
