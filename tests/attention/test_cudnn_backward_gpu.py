@@ -69,7 +69,7 @@ def test_cudnn_backward_takes_views_and_padded_head_dims():
     b, n, h, d = 2, 333, 4, 72
     qkv = torch.randn(b, n, 3, h, d, device="cuda").to(torch.bfloat16)
     q, k, v = qkv.permute(2, 0, 3, 1, 4)
-    do = torch.randn(b, n, h, d, device="cuda").to(torch.bfloat16).transpose(1, 2)
+    do = torch.randn(b, h, n, d, device="cuda").to(torch.bfloat16)  # O is laid out (B, N, H, D)
     o, lse = torch.ops.flm.attention_fwd(q, k, v, False, d**-0.5)
     assert o.stride() != do.stride()
     got = triton_jvp.torch_cudnn_bwd(do, q, k, v, o, lse, False, d**-0.5)

@@ -108,6 +108,30 @@ def test_non_contiguous_views_of_fused_qkv():
     assert rel_err(o, o_ref) < 1e-5 and rel_err(to, to_ref) < 1e-5
 
 
+def test_outputs_are_laid_out_as_sdpas_so_merging_heads_copies_nothing(monkeypatch):
+    """O and its tangent live in (B, L, H, D) storage, as SDPA's output: the DiT's o.transpose(1, 2).reshape(B, L, H * D)
+    is a view, and the gradient coming back through it reaches the backward in O's own layout."""
+    b, n, h, d = 2, 19, 2, 40
+    q, k, v, tq, tk, tv = _qkv(b, h, n, n, d, torch.float32, seed=5)
+    o, to = jvp_attention(q, k, v, tq, tk, tv)
+    plain = attention(q.requires_grad_(), k, v, backend="triton_jvp")
+    for x in (o, to, plain):
+        merged = x.transpose(1, 2).reshape(b, n, h * d)
+        assert merged.data_ptr() == x.data_ptr() and merged._base is not None  # a view: no copy
+    seen = {}
+    real = triton_jvp._bwd_impl
+
+    def spy(do, *args):
+        seen["do"], seen["o"] = do, args[3]
+        return real(do, *args)
+
+    monkeypatch.setattr(triton_jvp, "_bwd_impl", spy)
+    g = torch.randn(b, n, h * d)  # the next layer's gradient, dense in the merged layout
+    (plain.transpose(1, 2).reshape(b, n, h * d) * g).sum().backward()
+    assert seen["do"].stride() == seen["o"].stride()
+    assert rel_err(q.grad, grads64(q.detach(), k, v, g.reshape(b, n, h, d).transpose(1, 2))[0]) < 1e-5
+
+
 def test_no_keys_gives_zeros_not_nan():
     q, tq = torch.randn(1, 2, 5, 32), torch.randn(1, 2, 5, 32)
     k = torch.randn(1, 2, 0, 32, requires_grad=True)
