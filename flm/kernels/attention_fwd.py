@@ -588,11 +588,19 @@ def next_power_of_2(n: int) -> int:
 
 
 def _empty_output(q: torch.Tensor, sdpa_layout: bool) -> torch.Tensor:
-    """An uninitialised O like q (B, H, L, width): with sdpa_layout a view of (B, L, H, width) storage, as SDPA lays its
-    own output out, so that the caller's o.transpose(1, 2).reshape(B, L, H * D) and the gradient coming back through
-    it copy nothing; else contiguous."""
+    """An uninitialised O like q (B, H, L, width). With sdpa_layout it is dense in q's order of the heads and tokens
+    dims, as SDPA lays out its own output: for q a view of a fused (B, L, 3, H, D) projection (the DiT's), O lives in
+    (B, L, H, width) storage, so that the caller's o.transpose(1, 2).reshape(B, L, H * D) and the gradient coming back
+    through it copy nothing; for a contiguous q, and without sdpa_layout, O is contiguous."""
     b, h, n, width = q.shape
-    return q.new_empty((b, n, h, width)).transpose(1, 2) if sdpa_layout else q.new_empty((b, h, n, width))
+    if sdpa_layout and heads_inner(q):
+        return q.new_empty((b, n, h, width)).transpose(1, 2)
+    return q.new_empty((b, h, n, width))
+
+
+def heads_inner(x: torch.Tensor) -> bool:
+    """x (B, H, L, D) steps over heads faster than over tokens: a view of (B, L, H, D)-ordered storage."""
+    return x.stride(1) < x.stride(2)
 
 
 def _prepare(x: torch.Tensor, width: int) -> torch.Tensor:
@@ -625,8 +633,9 @@ def attention_fwd(
 ):
     """(o, to, lse) for q (B, H, Lq, D), k/v (B, H, Lkv, D); to is None without tangents.
 
-    sdpa_layout: o and to are (B, H, Lq, D) views of (B, Lq, H, D) storage, as SDPA's output, so that merging the heads
-    after attention, and the gradient coming back, copy nothing; else contiguous (B, H, Lq, D).
+    sdpa_layout: o and to dense in q's order of the heads and tokens dims, as SDPA's output ((B, Lq, H, D) storage for
+    views of a fused qkv projection, so that merging the heads after attention, and the gradient coming back, copy
+    nothing); else contiguous (B, H, Lq, D).
 
     Inputs are assumed checked (flm.attention.inputs); lse is (B, H, Lq) fp32 in natural log.
     config = (BLOCK_M, BLOCK_N, num_warps, num_stages) skips tuning (benchmarks/attention_configs.py).

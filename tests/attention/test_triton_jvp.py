@@ -109,15 +109,21 @@ def test_non_contiguous_views_of_fused_qkv():
 
 
 def test_outputs_are_laid_out_as_sdpas_so_merging_heads_copies_nothing(monkeypatch):
-    """O and its tangent live in (B, L, H, D) storage, as SDPA's output: the DiT's o.transpose(1, 2).reshape(B, L, H * D)
-    is a view, and the gradient coming back through it reaches the backward in O's own layout."""
+    """For q, k, v views of one fused (B, L, 3, H, D) projection (the DiT's), O and its tangent live in (B, L, H, D)
+    storage, as SDPA's output: the DiT's o.transpose(1, 2).reshape(B, L, H * D) is a view, and the gradient coming back
+    through it reaches the backward in O's own layout. A contiguous q gives a contiguous O."""
     b, n, h, d = 2, 19, 2, 40
-    q, k, v, tq, tk, tv = _qkv(b, h, n, n, d, torch.float32, seed=5)
+    g = torch.Generator().manual_seed(5)
+    x, tx = (randn(b, n, 3, h, d, dtype=torch.float32, generator=g) for _ in range(2))
+    q, k, v = x.permute(2, 0, 3, 1, 4)
+    tq, tk, tv = tx.permute(2, 0, 3, 1, 4)
     o, to = jvp_attention(q, k, v, tq, tk, tv)
-    plain = attention(q.requires_grad_(), k, v, backend="triton_jvp")
-    for x in (o, to, plain):
-        merged = x.transpose(1, 2).reshape(b, n, h * d)
-        assert merged.data_ptr() == x.data_ptr() and merged._base is not None  # a view: no copy
+    x.requires_grad_()
+    plain = attention(*x.permute(2, 0, 3, 1, 4), backend="triton_jvp")
+    for y in (o, to, plain):
+        merged = y.transpose(1, 2).reshape(b, n, h * d)
+        assert merged.data_ptr() == y.data_ptr() and merged._base is not None  # a view: no copy
+    assert jvp_attention(*(y.contiguous() for y in (q, k, v, tq, tk, tv)))[0].is_contiguous()
     seen = {}
     real = triton_jvp._bwd_impl
 
@@ -126,10 +132,11 @@ def test_outputs_are_laid_out_as_sdpas_so_merging_heads_copies_nothing(monkeypat
         return real(do, *args)
 
     monkeypatch.setattr(triton_jvp, "_bwd_impl", spy)
-    g = torch.randn(b, n, h * d)  # the next layer's gradient, dense in the merged layout
-    (plain.transpose(1, 2).reshape(b, n, h * d) * g).sum().backward()
+    grad = torch.randn(b, n, h * d)  # the next layer's gradient, dense in the merged layout
+    (plain.transpose(1, 2).reshape(b, n, h * d) * grad).sum().backward()
     assert seen["do"].stride() == seen["o"].stride()
-    assert rel_err(q.grad, grads64(q.detach(), k, v, g.reshape(b, n, h, d).transpose(1, 2))[0]) < 1e-5
+    dq = grads64(q, k, v, grad.reshape(b, n, h, d).transpose(1, 2))[0]
+    assert rel_err(x.grad[:, :, 0].transpose(1, 2), dq) < 1e-5
 
 
 def test_no_keys_gives_zeros_not_nan():
