@@ -30,7 +30,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from flm.attention.flash import unsupported as fa2_unsupported
 from flm.attention.inputs import unpack_duals
 from flm.kernels.attention_bwd import attention_bwd as triton_bwd
-from flm.kernels.attention_fwd import attention_fwd, check_head_dim, interpreted
+from flm.kernels.attention_fwd import attention_fwd, check_head_dim, heads_inner, interpreted
 from flm.kernels.launch import tracing
 from flm.nn import signed
 
@@ -99,10 +99,12 @@ def torch_fa2_bwd(do, q, k, v, o, lse, causal, scale):
 
 def torch_cudnn_bwd(do, q, k, v, o, lse, causal, scale):
     """PyTorch's cuDNN attention backward, fed with our O and natural-log lse as the (B, H, Lq, 1) fp32
-    statistics that cuDNN's forward returns. cuDNN takes any strides with a unit head-dim stride, but reads
-    dO with O's layout."""
-    if do.stride() != o.stride():  # O a view without padding columns (head dims like 72), or dO in another layout
-        o, do = o.contiguous(), do.contiguous()
+    statistics that cuDNN's forward returns. It takes q, k, v with any strides of unit head-dim stride, but O and dO
+    only as its own forward lays O out, dense in q's order: PyTorch caches each backward graph under q, k and v's sizes
+    and strides alone, built with the O and dO strides of its first call, so a later call at the same q, k, v with O
+    laid out otherwise (or after SDPA's own backward, whose O follows q) reads O wrongly: gradients 20x off on an H200
+    (fifty-first day)."""
+    o, do = _in_q_order(o, q), _in_q_order(do, q)
     unused = torch.empty((), dtype=torch.int64, device=q.device)  # philox seed and offset: no dropout
     return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
         do,
@@ -122,6 +124,14 @@ def torch_cudnn_bwd(do, q, k, v, o, lse, causal, scale):
         causal,
         scale=scale,
     )
+
+
+def _in_q_order(x: Tensor, q: Tensor) -> Tensor:
+    """x (B, H, L, D) dense in q's order of the heads and tokens dims, as SDPA lays out its O; a copy only if not."""
+    if heads_inner(q):
+        t = x.transpose(1, 2)
+        return x if t.is_contiguous() else t.contiguous().transpose(1, 2)
+    return x.contiguous()
 
 
 def _triton_bwd(do, q, k, v, o, lse, causal, scale):

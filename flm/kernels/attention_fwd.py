@@ -587,6 +587,11 @@ def next_power_of_2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
+def heads_inner(x: torch.Tensor) -> bool:
+    """x (B, H, L, D) steps over heads faster than over tokens: a view of (B, L, H, D)-ordered storage."""
+    return x.stride(1) < x.stride(2)
+
+
 def _prepare(x: torch.Tensor, width: int) -> torch.Tensor:
     """x (4 dims) in the kernel's layout: head dim zero-padded to `width` (above 128 only), unit head-dim stride and
     every other stride a multiple of 8 elements (16-byte aligned rows). Copies only when needed."""

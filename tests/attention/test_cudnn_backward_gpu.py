@@ -7,6 +7,7 @@ Run on a CUDA machine: pytest -m gpu tests/attention
 
 import pytest
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flm.attention as fa
 from flm.attention import triton_jvp
@@ -75,6 +76,79 @@ def test_cudnn_backward_takes_views_and_padded_head_dims():
     got = triton_jvp.torch_cudnn_bwd(do, q, k, v, o, lse, False, d**-0.5)
     for g, ref in zip(got, grads64(q, k, v, do)):
         assert rel_err(g, ref) < TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("q_layout", ["contiguous", "fused qkv"])
+def test_cudnn_backward_takes_o_in_either_layout_in_one_process(q_layout):
+    """O and dO contiguous, then in (B, N, H, D) storage, at the same shapes and q, one after the other (a compiled step's
+    op gives the first, an eager step the second): the gradients of both match float64. On the fifty-first day's H200
+    an eager O in (B, N, H, D) storage beside a contiguous q, after a contiguous O, gave gradients 20x off."""
+    _skip_without_cudnn(torch.bfloat16, 64)
+    b, n, h, d = 2, 512, 4, 64
+    if q_layout == "contiguous":
+        q, k, v, _ = _inputs(b, h, n, d, torch.bfloat16, seed=3)
+    else:
+        q, k, v = torch.randn(b, n, 3, h, d, device="cuda").to(torch.bfloat16).permute(2, 0, 3, 1, 4)
+    g = torch.randn(b, n, h, d, device="cuda").to(torch.bfloat16)
+    ref = grads64(q, k, v, g.transpose(1, 2))
+    for layout in ("contiguous", "bnhd", "contiguous"):
+        o, lse = torch.ops.flm.attention_fwd(q, k, v, False, d**-0.5)
+        do = g.transpose(1, 2)
+        if layout == "contiguous":
+            do = do.contiguous()
+        else:
+            o = o.transpose(1, 2).contiguous().transpose(1, 2)
+        got = triton_jvp.torch_cudnn_bwd(do, q, k, v, o, lse, False, d**-0.5)
+        for x, r in zip(got, ref):
+            assert rel_err(x, r) < TOL[torch.bfloat16], layout
+
+
+def test_eager_fused_attention_gradient_with_heads_merged_matches_math():
+    """The DiT's use, eager: q, k, v views of one projection, O merged into (B, N, H * D) after attention, the gradient
+    coming back through the merge; after a call with a contiguous O at the same shapes (a compiled step's op). Against
+    math attention in float32."""
+    _skip_without_cudnn(torch.bfloat16, 64)
+    b, n, h, d = 2, 256, 6, 64
+    x = torch.randn(b, n, 3 * h * d, device="cuda")
+    w = torch.randn(h * d, h * d, device="cuda") / (h * d) ** 0.5
+
+    def loss(backend, dtype):
+        xx = x.to(dtype).requires_grad_()
+        q, k, v = xx.view(b, n, 3, h, d).permute(2, 0, 3, 1, 4)
+        o = fa.attention(q, k, v, backend=backend)
+        return (o.transpose(1, 2).reshape(b, n, h * d).float() @ w).square().sum(), xx
+
+    q, k, v = x.to(torch.bfloat16).view(b, n, 3, h, d).permute(2, 0, 3, 1, 4)
+    o, lse = torch.ops.flm.attention_fwd(q, k, v, False, d**-0.5)  # the op's contiguous O first
+    triton_jvp.torch_cudnn_bwd(torch.ones_like(o), q, k, v, o, lse, False, d**-0.5)
+    got, xg = loss("triton_jvp", torch.bfloat16)
+    got.backward()
+    ref, xr = loss("math", torch.float32)
+    ref.backward()
+    assert rel_err(xg.grad, xr.grad) < 3e-2
+
+
+def test_fused_backward_after_sdpas_own_cudnn_backward_at_the_same_shapes():
+    """attention=auto in one process: SDPA's own cuDNN forward + backward (O laid out in q's order), then the fused
+    attention's backward through cuDNN at the same q, k, v (an rCM student's plain and JVP calls). Its gradient matches
+    float64. Before the fused backward fed cuDNN O in q's order, this order of calls reused SDPA's cached graph on a
+    contiguous O (the mechanism found on the fifty-first day; the one student that diverged, with attention=auto, ran so)."""
+    _skip_without_cudnn(torch.bfloat16, 64)
+    b, n, h, d = 4, 196, 6, 64
+    qkv = torch.randn(b, n, 3, h, d, device="cuda").to(torch.bfloat16).requires_grad_()
+    g = torch.randn(b, h, n, d, device="cuda").to(torch.bfloat16)
+    try:
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            o_sdpa = torch.nn.functional.scaled_dot_product_attention(*qkv.permute(2, 0, 3, 1, 4))
+    except RuntimeError as err:  # this build's SDPA refuses cuDNN here: nothing cached to collide with
+        pytest.skip(f"SDPA's cuDNN backend: {err}")
+    (o_sdpa * g).sum().backward()
+    qkv.grad = None
+    o = fa.attention(*qkv.permute(2, 0, 3, 1, 4), backend="triton_jvp")
+    (o * g).sum().backward()
+    q, k, v = qkv.detach().permute(2, 0, 3, 1, 4)
+    for got, ref in zip(qkv.grad.permute(2, 0, 3, 1, 4), grads64(q, k, v, g)):
+        assert rel_err(got, ref) < TOL[torch.bfloat16]
 
 
 def test_hopper_defaults_to_cudnn():

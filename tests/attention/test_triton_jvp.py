@@ -108,6 +108,21 @@ def test_non_contiguous_views_of_fused_qkv():
     assert rel_err(o, o_ref) < 1e-5 and rel_err(to, to_ref) < 1e-5
 
 
+def test_cudnn_backward_gets_o_and_do_in_qs_order():
+    """torch_cudnn_bwd hands cuDNN O and dO dense in q's order of heads and tokens, whatever their own layout: PyTorch
+    keys its cached cuDNN backward graphs on q, k and v alone, and SDPA's own O follows q. No copy when they already are."""
+    qkv = torch.randn(2, 5, 3, 4, 8)
+    q_views = qkv.permute(2, 0, 3, 1, 4)[0]  # the DiT's q: (B, H, N, D) over (B, N, 3, H, D) storage
+    q_contiguous = torch.randn(2, 4, 5, 8)
+    o = torch.randn(2, 4, 5, 8)
+    o_bnhd = triton_jvp._in_q_order(o, q_views)
+    assert o_bnhd.transpose(1, 2).is_contiguous() and torch.equal(o_bnhd, o)
+    assert triton_jvp._in_q_order(o_bnhd, q_views) is o_bnhd
+    assert triton_jvp._in_q_order(o, q_contiguous) is o
+    back = triton_jvp._in_q_order(o_bnhd, q_contiguous)
+    assert back.is_contiguous() and torch.equal(back, o)
+
+
 def test_no_keys_gives_zeros_not_nan():
     q, tq = torch.randn(1, 2, 5, 32), torch.randn(1, 2, 5, 32)
     k = torch.randn(1, 2, 0, 32, requires_grad=True)
