@@ -20,6 +20,7 @@ bias's gradient.
 
 import functools
 import os
+import sys
 import warnings
 
 import torch
@@ -30,7 +31,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from flm.attention.flash import unsupported as fa2_unsupported
 from flm.attention.inputs import unpack_duals
 from flm.kernels.attention_bwd import attention_bwd as triton_bwd
-from flm.kernels.attention_fwd import attention_fwd, check_head_dim, heads_inner, interpreted
+from flm.kernels.attention_fwd import attention_fwd, check_head_dim, interpreted
 from flm.kernels.launch import tracing
 from flm.nn import signed
 
@@ -127,11 +128,15 @@ def torch_cudnn_bwd(do, q, k, v, o, lse, causal, scale):
 
 
 def _in_q_order(x: Tensor, q: Tensor) -> Tensor:
-    """x (B, H, L, D) dense in q's order of the heads and tokens dims, as SDPA lays out its O; a copy only if not."""
-    if heads_inner(q):
-        t = x.transpose(1, 2)
-        return x if t.is_contiguous() else t.contiguous().transpose(1, 2)
-    return x.contiguous()
+    """x (B, H, L, D) dense with its dims in q's stride order, as SDPA's own forward lays out its O: contiguous for a
+    contiguous q, (B, L, H, D) storage for the DiT's views of one projection, (L, B, H, D) for a sequence-first one.
+    A copy only if x is not laid out so already."""
+    if q.is_contiguous():
+        return x.contiguous()
+    # outermost dim first; a zero (broadcast) stride counts as the outermost, as in PyTorch's cuDNN attention
+    order = sorted(range(4), key=lambda i: q.stride(i) or sys.maxsize, reverse=True)
+    t = x.permute(order)
+    return x if t.is_contiguous() else t.contiguous().permute([order.index(i) for i in range(4)])
 
 
 def _triton_bwd(do, q, k, v, o, lse, causal, scale):
