@@ -20,7 +20,6 @@ bias's gradient.
 
 import functools
 import os
-import sys
 import warnings
 
 import torch
@@ -31,7 +30,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from flm.attention.flash import unsupported as fa2_unsupported
 from flm.attention.inputs import unpack_duals
 from flm.kernels.attention_bwd import attention_bwd as triton_bwd
-from flm.kernels.attention_fwd import attention_fwd, check_head_dim, interpreted
+from flm.kernels.attention_fwd import attention_fwd, check_head_dim, interpreted, stride_order
 from flm.kernels.launch import tracing
 from flm.nn import signed
 
@@ -128,13 +127,10 @@ def torch_cudnn_bwd(do, q, k, v, o, lse, causal, scale):
 
 
 def _in_q_order(x: Tensor, q: Tensor) -> Tensor:
-    """x (B, H, L, D) dense with its dims in q's stride order, as SDPA's own forward lays out its O: contiguous for a
-    contiguous q, (B, L, H, D) storage for the DiT's views of one projection, (L, B, H, D) for a sequence-first one.
-    A copy only if x is not laid out so already."""
+    """x (B, H, L, D) dense in q's stride order, as SDPA's own forward lays out its O; a copy only if it is not."""
     if q.is_contiguous():
         return x.contiguous()
-    # outermost dim first; a zero (broadcast) stride counts as the outermost, as in PyTorch's cuDNN attention
-    order = sorted(range(4), key=lambda i: q.stride(i) or sys.maxsize, reverse=True)
+    order = stride_order(q)
     t = x.permute(order)
     return x if t.is_contiguous() else t.contiguous().permute([order.index(i) for i in range(4)])
 

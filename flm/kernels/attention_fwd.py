@@ -30,6 +30,7 @@ single-chunk one it was before the split; the main chunk's loads carry no head-d
 """
 
 import os
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -587,9 +588,12 @@ def next_power_of_2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-def heads_inner(x: torch.Tensor) -> bool:
-    """x (B, H, L, D) steps over heads faster than over tokens: a view of (B, L, H, D)-ordered storage."""
-    return x.stride(1) < x.stride(2)
+def stride_order(q: torch.Tensor) -> list[int]:
+    """q's dims from the outermost in memory to the innermost; a zero (broadcast) stride counts as the outermost. SDPA
+    lays its own output out dense in this order (contiguous for a contiguous q, (B, L, H, D) storage for the DiT's
+    views of one projection, (L, B, H, D) for a sequence-first one), and PyTorch's cached cuDNN backward graphs
+    expect O so."""
+    return sorted(range(q.dim()), key=lambda i: q.stride(i) or sys.maxsize, reverse=True)
 
 
 def _prepare(x: torch.Tensor, width: int) -> torch.Tensor:
