@@ -316,17 +316,14 @@ def _fwd_impl(
     scale: float,
     bias: Tensor | None = None,
     key_padding_mask: Tensor | None = None,
-    sdpa_layout: bool = False,
 ) -> tuple[Tensor, Tensor]:
-    o, _, lse = attention_fwd(
-        q, k, v, causal=causal, scale=scale, bias=bias, key_padding_mask=key_padding_mask, sdpa_layout=sdpa_layout
-    )
+    o, _, lse = attention_fwd(q, k, v, causal=causal, scale=scale, bias=bias, key_padding_mask=key_padding_mask)
     return o, lse
 
 
 def _contiguous_outputs(fn):
     """A custom op's body: fn with contiguous outputs, the layout the op's fake implementation gives torch.compile
-    (eager mode keeps what fn wrote: above head dim 128 views of padded rows, the backward's gradients in q's layout)."""
+    (above head dim 128 the kernel writes padded rows, which eager mode keeps as views without the padding)."""
 
     @functools.wraps(fn)  # the op's schema comes from fn's signature
     def body(*args, **kwargs):
@@ -339,7 +336,7 @@ _fwd_op = torch.library.custom_op("flm::attention_fwd", _contiguous_outputs(_fwd
 
 
 @_fwd_op.register_fake
-def _(q, k, v, causal, scale, bias=None, key_padding_mask=None, sdpa_layout=False):
+def _(q, k, v, causal, scale, bias=None, key_padding_mask=None):
     return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
@@ -355,21 +352,9 @@ def _jvp_fwd_impl(
     bias: Tensor | None = None,
     bias_tangent: Tensor | None = None,
     key_padding_mask: Tensor | None = None,
-    sdpa_layout: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     return attention_fwd(
-        q,
-        k,
-        v,
-        tq,
-        tk,
-        tv,
-        causal=causal,
-        scale=scale,
-        bias=bias,
-        bias_tangent=bias_tangent,
-        key_padding_mask=key_padding_mask,
-        sdpa_layout=sdpa_layout,
+        q, k, v, tq, tk, tv, causal=causal, scale=scale, bias=bias, bias_tangent=bias_tangent, key_padding_mask=key_padding_mask
     )
 
 
@@ -377,19 +362,18 @@ _jvp_fwd_op = torch.library.custom_op("flm::attention_jvp_fwd", _contiguous_outp
 
 
 @_jvp_fwd_op.register_fake
-def _(q, k, v, tq, tk, tv, causal, scale, bias=None, bias_tangent=None, key_padding_mask=None, sdpa_layout=False):
+def _(q, k, v, tq, tk, tv, causal, scale, bias=None, bias_tangent=None, key_padding_mask=None):
     return q.new_empty(q.shape), q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 def _bwd_impl(
     do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, causal: bool, scale: float
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """(dq, dk, dv) in the layout the backward wrote them (cuDNN's: that of q, k, v; in the DiT strided views of one
-    projection, whose gradients the engine stacks into its layout without another copy)."""
     impl = backward_impl(q)
     if impl == "cudnn" and _forced(os.environ.get(BACKWARD_ENV, "auto")) is None:
         try:
-            return BACKWARDS["cudnn"](do, q, k, v, o, lse, causal, scale)
+            dq, dk, dv = BACKWARDS["cudnn"](do, q, k, v, o, lse, causal, scale)
+            return dq.contiguous(), dk.contiguous(), dv.contiguous()
         except RuntimeError as err:  # passed the self-check, refused these shapes: not again for such inputs
             key = (q.device, q.dtype, q.shape[-1])
             _CUDNN_VERDICTS[key] = _raised(err)
@@ -402,10 +386,12 @@ def _bwd_impl(
         except TypeError as e:  # another flash_attn release with another private signature
             _warn_flash_attn_signature(e)
             impl = "torch_fa2"
-    return BACKWARDS[impl](do, q, k, v, o, lse, causal, scale)
+    dq, dk, dv = BACKWARDS[impl](do, q, k, v, o, lse, causal, scale)
+    # custom ops must not return views of their inputs
+    return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 
-_bwd_op = torch.library.custom_op("flm::attention_bwd", _contiguous_outputs(_bwd_impl), mutates_args=())
+_bwd_op = torch.library.custom_op("flm::attention_bwd", _bwd_impl, mutates_args=())
 
 
 @_bwd_op.register_fake
@@ -442,12 +428,6 @@ def _(do, q, k, v, o, lse, causal, scale, bias, key_padding_mask, bias_grad):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias
 
 
-_EAGER_LAYOUT = {
-    _fwd_impl: functools.partial(_fwd_impl, sdpa_layout=True),
-    _jvp_fwd_impl: functools.partial(_jvp_fwd_impl, sdpa_layout=True),
-}
-
-
 @functools.cache
 def _warn_flash_attn_signature(err: Exception) -> None:
     warnings.warn(
@@ -456,12 +436,8 @@ def _warn_flash_attn_signature(err: Exception) -> None:
 
 
 def _op(op, impl):
-    """The custom op while torch.compile traces; its Python body in eager mode (no dispatcher overhead), where the
-    forwards write O in SDPA's layout (attention_fwd's sdpa_layout) and the backward returns its gradients as it wrote
-    them. The ops' outputs are contiguous, as their fake implementations tell the compiler."""
-    if torch.compiler.is_compiling() or tracing():
-        return op
-    return _EAGER_LAYOUT.get(impl, impl)
+    """The custom op while torch.compile traces; its Python body in eager mode (no dispatcher overhead)."""
+    return op if torch.compiler.is_compiling() or tracing() else impl
 
 
 # ---------------------------------------------------------------------------------------------
@@ -479,8 +455,7 @@ def _backward(ctx, do, bias_grad: bool):
     q, k, v, o, lse, bias, key_padding_mask = ctx.saved_tensors
     if do is None:  # gradients are not materialised: o took none
         return None, None, None, None
-    if do.stride(-1) != 1:  # the backwards read rows of the head dim; any other layout they take as it comes
-        do = do.contiguous()
+    do = do.contiguous()
     if bias is None and key_padding_mask is None:
         return *_op(_bwd_op, _bwd_impl)(do, q, k, v, o, lse, ctx.causal, ctx.scale), None
     dq, dk, dv, dbias = _op(_bias_bwd_op, _bias_bwd_impl)(
@@ -535,7 +510,7 @@ class _AttentionWithJVP(_Attention):
 
 
 def _jvp_fwd_setup_context(ctx, inputs, output):
-    q, k, v, _, _, _, causal, scale, bias, _, key_padding_mask = inputs[:11]  # the op's also has sdpa_layout
+    q, k, v, _, _, _, causal, scale, bias, _, key_padding_mask = inputs
     o, _, lse = output
     ctx.causal, ctx.scale, ctx.bias_grad = causal, scale, bias is not None and bias.requires_grad
     ctx.save_for_backward(q, k, v, o, lse, bias, key_padding_mask)
@@ -552,10 +527,7 @@ def _jvp_fwd_backward(ctx, do, _dto, _dlse):
     return dq, dk, dv, None, None, None, None, None, dbias, None, None
 
 
-_jvp_fwd_op.register_autograd(
-    lambda ctx, *grads: (*_jvp_fwd_backward(ctx, *grads), None),  # and none for sdpa_layout
-    setup_context=_jvp_fwd_setup_context,
-)
+_jvp_fwd_op.register_autograd(_jvp_fwd_backward, setup_context=_jvp_fwd_setup_context)
 
 
 @signed

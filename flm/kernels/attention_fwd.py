@@ -588,17 +588,6 @@ def next_power_of_2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-def _empty_output(q: torch.Tensor, sdpa_layout: bool) -> torch.Tensor:
-    """An uninitialised O like q (B, H, L, width). With sdpa_layout it is dense in q's stride order, as SDPA lays out its
-    own output: for q a view of a fused (B, L, 3, H, D) projection (the DiT's), O lives in (B, L, H, width) storage, so
-    that the caller's o.transpose(1, 2).reshape(B, L, H * D) and the gradient coming back through it copy nothing; for a
-    contiguous q, and without sdpa_layout, O is contiguous."""
-    if not sdpa_layout or q.is_contiguous():
-        return q.new_empty(q.shape)
-    order = stride_order(q)
-    return q.new_empty([q.shape[i] for i in order]).permute([order.index(i) for i in range(4)])
-
-
 def stride_order(q: torch.Tensor) -> list[int]:
     """q's dims from the outermost in memory to the innermost; a zero (broadcast) stride counts as the outermost. SDPA
     lays its own output out dense in this order (contiguous for a contiguous q, (B, L, H, D) storage for the DiT's
@@ -633,13 +622,8 @@ def attention_fwd(
     bias=None,
     bias_tangent=None,
     key_padding_mask=None,
-    sdpa_layout: bool = True,
 ):
     """(o, to, lse) for q (B, H, Lq, D), k/v (B, H, Lkv, D); to is None without tangents.
-
-    sdpa_layout: o and to dense in q's stride order (stride_order), as SDPA's output ((B, Lq, H, D) storage for
-    views of a fused qkv projection, so that merging the heads after attention, and the gradient coming back, copy
-    nothing); else contiguous (B, H, Lq, D).
 
     Inputs are assumed checked (flm.attention.inputs); lse is (B, H, Lq) fp32 in natural log.
     config = (BLOCK_M, BLOCK_N, num_warps, num_stages) skips tuning (benchmarks/attention_configs.py).
@@ -660,7 +644,7 @@ def attention_fwd(
     width = max(d, block_d)  # the padded width above 128, else d
     q, k, v = (_prepare(x, width) for x in (q, k, v))
     tq, tk, tv = (_prepare(x, width) for x in (tq, tk, tv)) if has_tangent else (q, k, v)
-    o = _empty_output(q, sdpa_layout)  # q is padded to width here: the padding columns kept, dropped below
+    o = torch.empty((b, h, lq, width), dtype=q.dtype, device=q.device)
     to = torch.empty_like(o) if has_tangent else o
     lse = torch.empty((b, h, lq), dtype=torch.float32, device=q.device)
     # broadcast dims read with stride 0; absent inputs pass q and zero strides (the kernel ignores them)

@@ -108,37 +108,6 @@ def test_non_contiguous_views_of_fused_qkv():
     assert rel_err(o, o_ref) < 1e-5 and rel_err(to, to_ref) < 1e-5
 
 
-def test_outputs_are_laid_out_as_sdpas_so_merging_heads_copies_nothing(monkeypatch):
-    """For q, k, v views of one fused (B, L, 3, H, D) projection (the DiT's), O and its tangent live in (B, L, H, D)
-    storage, as SDPA's output: the DiT's o.transpose(1, 2).reshape(B, L, H * D) is a view, and the gradient coming back
-    through it reaches the backward in O's own layout. A contiguous q gives a contiguous O."""
-    b, n, h, d = 2, 19, 2, 40
-    g = torch.Generator().manual_seed(5)
-    x, tx = (randn(b, n, 3, h, d, dtype=torch.float32, generator=g) for _ in range(2))
-    q, k, v = x.permute(2, 0, 3, 1, 4)
-    tq, tk, tv = tx.permute(2, 0, 3, 1, 4)
-    o, to = jvp_attention(q, k, v, tq, tk, tv)
-    x.requires_grad_()
-    plain = attention(*x.permute(2, 0, 3, 1, 4), backend="triton_jvp")
-    for y in (o, to, plain):
-        merged = y.transpose(1, 2).reshape(b, n, h * d)
-        assert merged.data_ptr() == y.data_ptr() and merged._base is not None  # a view: no copy
-    assert jvp_attention(*(y.contiguous() for y in (q, k, v, tq, tk, tv)))[0].is_contiguous()
-    seen = {}
-    real = triton_jvp._bwd_impl
-
-    def spy(do, *args):
-        seen["do"], seen["o"] = do, args[3]
-        return real(do, *args)
-
-    monkeypatch.setattr(triton_jvp, "_bwd_impl", spy)
-    grad = torch.randn(b, n, h * d)  # the next layer's gradient, dense in the merged layout
-    (plain.transpose(1, 2).reshape(b, n, h * d) * grad).sum().backward()
-    assert seen["do"].stride() == seen["o"].stride()
-    dq = grads64(q, k, v, grad.reshape(b, n, h, d).transpose(1, 2))[0]
-    assert rel_err(x.grad[:, :, 0].transpose(1, 2), dq) < 1e-5
-
-
 def test_cudnn_backward_gets_o_and_do_in_qs_order():
     """torch_cudnn_bwd hands cuDNN O and dO dense in q's order of heads and tokens, whatever their own layout: PyTorch
     keys its cached cuDNN backward graphs on q, k and v alone, and SDPA's own O follows q. No copy when they already are."""

@@ -83,7 +83,7 @@ def test_split_head_dim_real_sizes(shape, dtype):
     o, to = fa.jvp_attention(q, k, v, tq, tk, tv, causal=causal)
     o_plain = fa.attention(q, k, v, backend="triton_jvp", causal=causal)
     o_ref, to_ref = jvp64(q, k, v, tq, tk, tv, causal=causal)
-    for x in (o, to, o_plain):  # dense in q's layout; above 128: views of the padded outputs
+    for x in (o, to, o_plain):  # above 128: views of the padded outputs
         assert x.shape == q.shape and (x.is_contiguous() or dims[-1] > 128) and torch.isfinite(x).all()
     assert rel_err(o, o_ref) < TOL[dtype]
     assert rel_err(to, to_ref) < TOL[dtype]
