@@ -1,4 +1,4 @@
-# The next device call (docs/quality.md, "Next on the H200"), after tools/gpu/pack.sh and `git show f67594e > .gpu/layout.patch`:
+# The next device call (docs/quality.md, "Next on the H200"), after tools/gpu/pack.sh and `git show 21153d3 > .gpu/layout.patch`:
 #   LIMIT=SECONDS bash tools/gpu/next.sh   (carry [".gpu"]; LIMIT: the call's own limit, which decides what fits)
 # Runs the cuDNN feed fix's gpu tests on this tree and the layout change's on a patched copy, beside the attention=auto
 # teacher; then the attention=auto student of seed 1 with three EMAs, or, with too little time for the teacher, the
