@@ -129,11 +129,14 @@ def test_fused_backward_after_sdpas_own_cudnn_backward_at_the_same_shapes():
     """attention=auto in one process: SDPA's own cuDNN forward + backward (O laid out in q's order), then the fused
     attention's backward through cuDNN at the same q, k, v (an rCM student's plain and JVP calls). Its gradient matches
     float64. Before the fused backward fed cuDNN O in q's order, this order of calls reused SDPA's cached graph on a
-    contiguous O (the mechanism found on the fifty-first day; the one student that diverged, with attention=auto, ran so)."""
+    contiguous O (the mechanism found on the fifty-first day; the one student that diverged, with attention=auto, ran so).
+    dO comes in q's order, as the DiT's output projection (reading O as (B, L, H * D)) sends it back: PyTorch 2.11 keys
+    the graph by q, k and v alone, so SDPA's own backward with dO laid out otherwise caches a graph that no feed of
+    ours can match (tools/gpu/cudnn_probe.py runs each order of calls in its own process)."""
     _skip_without_cudnn(torch.bfloat16, 64)
     b, n, h, d = 4, 196, 6, 64
     qkv = torch.randn(b, n, 3, h, d, device="cuda").to(torch.bfloat16).requires_grad_()
-    g = torch.randn(b, h, n, d, device="cuda").to(torch.bfloat16)
+    g = torch.randn(b, n, h, d, device="cuda").to(torch.bfloat16).transpose(1, 2)
     try:
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             o_sdpa = torch.nn.functional.scaled_dot_product_attention(*qkv.permute(2, 0, 3, 1, 4))
