@@ -103,7 +103,8 @@ def torch_cudnn_bwd(do, q, k, v, o, lse, causal, scale):
     only as its own forward lays O out, dense in q's order: PyTorch caches each backward graph under q, k and v's sizes
     and strides alone, built with the O and dO strides of its first call, so a later call at the same q, k, v with O
     laid out otherwise (or after SDPA's own backward, whose O follows q) reads O wrongly: gradients 20x off on an H200
-    (fifty-first day)."""
+    (fifty-first day). SDPA's own backward takes dO as autograd hands it over, so it meets ours only where that is q's
+    order too (the DiT's; README, attention backends)."""
     o, do = _in_q_order(o, q), _in_q_order(do, q)
     unused = torch.empty((), dtype=torch.int64, device=q.device)  # philox seed and offset: no dropout
     return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
