@@ -17,6 +17,10 @@ left() { echo "[t=$(( $(date +%s) - T0 )) s]"; }
 q() { local name=$1; shift; echo "== $name $(left)"
   python benchmarks/quality.py --data-root $D --inception $I --work runs/q --out runs/qout --weights ema0.99 \
     --flow-map-error 256 "$@" > $OUT/q/$name.out 2>&1; echo "rc=$? $(left)"; tail -n 12 $OUT/q/$name.out; }
+# every evaluation's json reaches $OUT within 20 s of being written, so a call cut by its limit keeps them; the copier
+# ends with the calling shell and holds none of its output (disowned: a plain `wait` does not wait for it)
+mkdir -p $OUT/q/qout
+( while kill -0 $$ 2>/dev/null && sleep 20; do cp runs/qout/*.json $OUT/q/qout/ 2>/dev/null; done ) > /dev/null 2>&1 < /dev/null & disown
 pack() { cp -r runs/qout $OUT/q/ 2>/dev/null; for r in runs/q/*/; do n=$(basename $r); mkdir -p $OUT/q/runs/$n;
   cp $r/*.log $r/*.jsonl $r/*.yaml $OUT/q/runs/$n/ 2>/dev/null; done; tar -cf $OUT/q.tar -C $OUT q && rm -rf $OUT/q; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
