@@ -264,3 +264,29 @@ def test_velocity_head_bad_input():
         tiny_dit(velocity_head=True)(x, t, head="F")
     with pytest.raises(ValueError, match="velocity_head=True is a second output .* build it with prediction='velocity'"):
         build_model("DiT-T/2", input_size=8, in_channels=3, prediction="data", velocity_head=True)
+
+
+def test_attentions_output_gradient_arrives_in_qs_stride_order(monkeypatch):
+    """The DiT's output projection sends dO back dense in q's stride order, the layout the fused backward feeds cuDNN:
+    so under attention=auto SDPA's own cuDNN backward gets dO laid out as the fused one does, and PyTorch 2.11's cuDNN
+    graph cache (keyed by q, k, v alone, holding its first call's O and dO strides) serves both right (README, attention
+    backends). A DiT that consumed O otherwise would break that silently on Hopper."""
+    import flm.models.dit as dit
+    from flm.attention import triton_jvp
+    from flm.kernels.attention_fwd import stride_order
+
+    seen = []
+
+    def recording(q, k, v, **kw):
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        o.register_hook(lambda g: seen.append((q, g)))
+        return o
+
+    monkeypatch.setattr(dit, "attention_fn", recording)
+    model = build_model("DiT-T/2", input_size=8, in_channels=1, num_classes=5)
+    x, t, y = torch.randn(2, 1, 8, 8), torch.rand(2), torch.tensor([0, 3])
+    model(x, t, y=y).square().sum().backward()
+    assert len(seen) == len(model.blocks)
+    for q, g in seen:
+        assert stride_order(g) == stride_order(q)
+        assert triton_jvp._in_q_order(g, q) is g  # the feed copies nothing: SDPA's dO is the fused backward's
