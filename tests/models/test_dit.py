@@ -9,6 +9,9 @@ import pytest
 import torch
 from torch.autograd import forward_ad
 
+import flm.models.dit as dit
+from flm.attention import triton_jvp
+from flm.kernels.attention_fwd import stride_order
 from flm.models import MODEL_SIZES, ModelConfig, build_model
 from flm.models.dit import T_MIN
 from flm.objectives import MeanFlow
@@ -271,10 +274,6 @@ def test_attentions_output_gradient_arrives_in_qs_stride_order(monkeypatch):
     so under attention=auto SDPA's own cuDNN backward gets dO laid out as the fused one does, and PyTorch 2.11's cuDNN
     graph cache (keyed by q, k, v alone, holding its first call's O and dO strides) serves both right (README, attention
     backends). A DiT that consumed O otherwise would break that silently on Hopper."""
-    import flm.models.dit as dit
-    from flm.attention import triton_jvp
-    from flm.kernels.attention_fwd import stride_order
-
     seen = []
 
     def recording(q, k, v, **kw):

@@ -4,6 +4,7 @@ cuDNN graph cache is per process), DiT-shaped q, k, v (views of one (B, L, 3, H,
     PYTHONPATH=. python tools/gpu/cudnn_probe.py            # all cases, one line each
 """
 
+import os
 import subprocess
 import sys
 import warnings
@@ -37,8 +38,6 @@ def errors(got, qkv, g):
 
 
 def case(name):
-    import os
-
     import flm.attention as fa
 
     torch.manual_seed(0)
@@ -57,8 +56,7 @@ def case(name):
     out = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        steps = name.split(">")
-        for step in steps:
+        for step in name.split(">"):
             if step.startswith("sdpa"):
                 o, gr = grads(qkv, g_q if "q-order" in step else g, sdpa)
                 out.append(f"sdpa O strides {tuple(o.stride())}: {errors(gr, qkv, g)}")
