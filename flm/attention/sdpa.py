@@ -3,20 +3,30 @@
 Its fused kernels have no forward-mode rule, so under a JVP (dual tensors or torch.func.jvp) this
 backend runs SDPA's math kernel, which differentiates in both modes. A bias and a key-padding mask
 become one float attn_mask (SDPA then picks a kernel that takes one: memory-efficient, cuDNN or math).
+The plain path hands SDPA's backward dO dense in q's stride order (flm.attention.layout): PyTorch caches cuDNN's
+backward graphs under q, k, v alone, so without it two consumers of O that send dO laid out differently at the same
+shapes (or SDPA's and the fused attention's backward) would share a graph built for one of them.
 """
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from flm.attention.layout import grad_in_q_order
+
 
 def attention(q, k, v, *, causal: bool, scale: float, bias=None, key_padding_mask=None) -> torch.Tensor:
+    return _attention(q, k, v, causal, scale, bias, key_padding_mask, grad_in_q_order)
+
+
+def _attention(q, k, v, causal, scale, bias, key_padding_mask, on_output) -> torch.Tensor:
     if bias is None and key_padding_mask is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+        return on_output(F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale), q)
     mask_BHQK = _float_mask(q, k, causal, bias, key_padding_mask)
     # rows with no key left: attend uniformly (finite in every SDPA kernel), then output 0
     empty_BHQ1 = (mask_BHQK == float("-inf")).all(-1, keepdim=True)
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_BHQK.masked_fill(empty_BHQ1, 0.0), scale=scale)
+    o = on_output(o, q)
     return o.masked_fill(empty_BHQ1, 0.0)
 
 
@@ -33,8 +43,9 @@ def _float_mask(q, k, causal, bias, key_padding_mask) -> torch.Tensor:
 
 
 def attention_jvp(q, k, v, *, causal: bool, scale: float, bias=None, key_padding_mask=None) -> torch.Tensor:
+    # the math kernel builds no cuDNN graph, and GradInQOrder has no forward-mode rule
     with sdpa_kernel(SDPBackend.MATH):
-        return attention(q, k, v, causal=causal, scale=scale, bias=bias, key_padding_mask=key_padding_mask)
+        return _attention(q, k, v, causal, scale, bias, key_padding_mask, lambda o, q: o)
 
 
 def check_available(device: torch.device, dtype: torch.dtype, head_dim: int) -> None:

@@ -29,8 +29,9 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from flm.attention.flash import unsupported as fa2_unsupported
 from flm.attention.inputs import unpack_duals
+from flm.attention.layout import in_q_order
 from flm.kernels.attention_bwd import attention_bwd as triton_bwd
-from flm.kernels.attention_fwd import attention_fwd, check_head_dim, interpreted, stride_order
+from flm.kernels.attention_fwd import attention_fwd, check_head_dim, interpreted
 from flm.kernels.launch import tracing
 from flm.nn import signed
 
@@ -100,12 +101,9 @@ def torch_fa2_bwd(do, q, k, v, o, lse, causal, scale):
 def torch_cudnn_bwd(do, q, k, v, o, lse, causal, scale):
     """PyTorch's cuDNN attention backward, fed with our O and natural-log lse as the (B, H, Lq, 1) fp32
     statistics that cuDNN's forward returns. It takes q, k, v with any strides of unit head-dim stride, but O and dO
-    only as its own forward lays O out, dense in q's order: PyTorch caches each backward graph under q, k and v's sizes
-    and strides alone, built with the O and dO strides of its first call, so a later call at the same q, k, v with O
-    laid out otherwise (or after SDPA's own backward, whose O follows q) reads O wrongly: gradients 20x off on an H200
-    (fifty-first day). SDPA's own backward takes dO as autograd hands it over, so it meets ours only where that is q's
-    order too (the DiT's; README, attention backends)."""
-    o, do = _in_q_order(o, q), _in_q_order(do, q)
+    only dense in q's order, as SDPA's own forward lays O out and flm's sdpa backend hands its dO over: PyTorch caches
+    each backward graph under q, k and v alone (flm.attention.layout)."""
+    o, do = in_q_order(o, q), in_q_order(do, q)
     unused = torch.empty((), dtype=torch.int64, device=q.device)  # philox seed and offset: no dropout
     return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
         do,
@@ -125,15 +123,6 @@ def torch_cudnn_bwd(do, q, k, v, o, lse, causal, scale):
         causal,
         scale=scale,
     )
-
-
-def _in_q_order(x: Tensor, q: Tensor) -> Tensor:
-    """x (B, H, L, D) dense in q's stride order, as SDPA's own forward lays out its O; a copy only if it is not."""
-    if q.is_contiguous():
-        return x.contiguous()
-    order = stride_order(q)
-    t = x.permute(order)
-    return x if t.is_contiguous() else t.contiguous().permute([order.index(i) for i in range(4)])
 
 
 def _triton_bwd(do, q, k, v, o, lse, causal, scale):

@@ -30,7 +30,6 @@ single-chunk one it was before the split; the main chunk's loads carry no head-d
 """
 
 import os
-import sys
 
 import torch
 import torch.nn.functional as F
@@ -586,14 +585,6 @@ def next_power_of_2(n: int) -> int:
     """triton.next_power_of_2 for n >= 1, in plain Python: Triton's is a constexpr function whose call costs ~2 us of
     host time (Triton 3.8, CPU), and the wrapper calls it on every launch."""
     return 1 << (n - 1).bit_length()
-
-
-def stride_order(q: torch.Tensor) -> list[int]:
-    """q's dims from the outermost in memory to the innermost; a zero (broadcast) stride counts as the outermost. SDPA
-    lays its own output out dense in this order (contiguous for a contiguous q, (B, L, H, D) storage for the DiT's
-    views of one projection, (L, B, H, D) for a sequence-first one), and PyTorch's cached cuDNN backward graphs
-    expect O so."""
-    return sorted(range(q.dim()), key=lambda i: q.stride(i) or sys.maxsize, reverse=True)
 
 
 def _prepare(x: torch.Tensor, width: int) -> torch.Tensor:

@@ -151,6 +151,27 @@ def test_fused_backward_after_sdpas_own_cudnn_backward_at_the_same_shapes():
         assert rel_err(got, ref) < TOL[torch.bfloat16]
 
 
+def test_flms_sdpa_backend_and_the_fused_backward_share_cudnn_graphs_whatever_the_do_layout():
+    """flm's sdpa backend hands SDPA's cuDNN backward dO in q's order (flm.attention.layout.GradInQOrder), so a consumer
+    of O that sends dO back contiguous, then another in q's order, then the fused attention, all at the same q, k, v,
+    get float64's gradients: PyTorch 2.11 builds one backward graph per q, k, v with its first call's O and dO strides."""
+    _skip_without_cudnn(torch.bfloat16, 64)
+    b, n, h, d = 4, 196, 6, 64
+    qkv = torch.randn(b, n, 3, h, d, device="cuda").to(torch.bfloat16).requires_grad_()
+    g = torch.randn(b, h, n, d, device="cuda").to(torch.bfloat16)
+    q, k, v = qkv.detach().permute(2, 0, 3, 1, 4)
+    for backend, do in (("sdpa", g), ("sdpa", g.transpose(1, 2).contiguous().transpose(1, 2)), ("triton_jvp", g)):
+        qkv.grad = None
+        try:
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                o = fa.attention(*qkv.permute(2, 0, 3, 1, 4), backend=backend)
+        except RuntimeError as err:  # this build's SDPA refuses cuDNN here: nothing cached to collide with
+            pytest.skip(f"SDPA's cuDNN backend: {err}")
+        o.backward(do)
+        for got, ref in zip(qkv.grad.permute(2, 0, 3, 1, 4), grads64(q, k, v, do)):
+            assert rel_err(got, ref) < TOL[torch.bfloat16], backend
+
+
 def test_hopper_defaults_to_cudnn():
     q = torch.randn(1, 1, 8, 64, device="cuda", dtype=torch.bfloat16)
     hopper = torch.cuda.get_device_capability()[0] == 9

@@ -108,42 +108,6 @@ def test_non_contiguous_views_of_fused_qkv():
     assert rel_err(o, o_ref) < 1e-5 and rel_err(to, to_ref) < 1e-5
 
 
-def test_cudnn_backward_gets_o_and_do_in_qs_order():
-    """torch_cudnn_bwd hands cuDNN O and dO dense in q's order of heads and tokens, whatever their own layout: PyTorch
-    keys its cached cuDNN backward graphs on q, k and v alone, and SDPA's own O follows q. No copy when they already are."""
-    qkv = torch.randn(2, 5, 3, 4, 8)
-    q_views = qkv.permute(2, 0, 3, 1, 4)[0]  # the DiT's q: (B, H, N, D) over (B, N, 3, H, D) storage
-    q_contiguous = torch.randn(2, 4, 5, 8)
-    o = torch.randn(2, 4, 5, 8)
-    o_bnhd = triton_jvp._in_q_order(o, q_views)
-    assert o_bnhd.transpose(1, 2).is_contiguous() and torch.equal(o_bnhd, o)
-    assert triton_jvp._in_q_order(o_bnhd, q_views) is o_bnhd
-    assert triton_jvp._in_q_order(o, q_contiguous) is o
-    back = triton_jvp._in_q_order(o_bnhd, q_contiguous)
-    assert back.is_contiguous() and torch.equal(back, o)
-
-
-_Q_LAYOUTS = {  # (B, H, N, D) = (2, 3, 5, 8) views of the storages a caller's q comes in
-    "contiguous": lambda: torch.randn(2, 3, 5, 8),
-    "projection": lambda: torch.randn(2, 5, 3, 3, 8).permute(2, 0, 3, 1, 4)[0],  # the DiT's (B, N, 3, H, D)
-    "sequence_first": lambda: torch.randn(5, 2, 3, 3, 8).permute(2, 1, 3, 0, 4)[0],  # (N, B, 3, H, D)
-    "heads_outer": lambda: torch.randn(3, 2, 5, 8).transpose(0, 1),  # (H, B, N, D)
-}
-
-
-@pytest.mark.parametrize("layout", list(_Q_LAYOUTS))
-def test_cudnn_feed_lays_o_out_as_sdpas_own_forward(layout):
-    """O and dO reach cuDNN's backward with the strides PyTorch's own cuDNN attention forward gives its O for that q
-    (its meta kernel, on the meta device): the backward graph cached under q, k and v is built for those."""
-    q = _Q_LAYOUTS[layout]()
-    meta_q = torch.empty_strided(q.shape, q.stride(), device="meta")
-    sdpa_o = torch.ops.aten._scaled_dot_product_cudnn_attention(meta_q, meta_q, meta_q, None, True)[0]
-    for x in (torch.randn(2, 3, 5, 8), torch.randn(2, 5, 3, 8).transpose(1, 2)):
-        fed = triton_jvp._in_q_order(x, q)
-        assert fed.stride() == sdpa_o.stride() and torch.equal(fed, x)
-        assert triton_jvp._in_q_order(fed, q) is fed  # no copy when already so
-
-
 def test_no_keys_gives_zeros_not_nan():
     q, tq = torch.randn(1, 2, 5, 32), torch.randn(1, 2, 5, 32)
     k = torch.randn(1, 2, 0, 32, requires_grad=True)

@@ -10,8 +10,7 @@ import torch
 from torch.autograd import forward_ad
 
 import flm.models.dit as dit
-from flm.attention import triton_jvp
-from flm.kernels.attention_fwd import stride_order
+from flm.attention.layout import in_q_order, stride_order
 from flm.models import MODEL_SIZES, ModelConfig, build_model
 from flm.models.dit import T_MIN
 from flm.objectives import MeanFlow
@@ -288,4 +287,4 @@ def test_attentions_output_gradient_arrives_in_qs_stride_order(monkeypatch):
     assert len(seen) == len(model.blocks)
     for q, g in seen:
         assert stride_order(g) == stride_order(q)
-        assert triton_jvp._in_q_order(g, q) is g  # the feed copies nothing: SDPA's dO is the fused backward's
+        assert in_q_order(g, q) is g  # the feed copies nothing: SDPA's dO is the fused backward's

@@ -21,6 +21,8 @@ CASES = {
     "sdpa>fused(fa2)": "SDPA's cuDNN, then the fused attention with FLM_ATTN_BACKWARD=torch_fa2",
     "sdpa>sdpa(dO q-order)": "SDPA's cuDNN twice, dO contiguous and then in q's order (PyTorch's own cache alone)",
     "sdpa(dO q-order)>sdpa": "the same the other way round",
+    "flmsdpa>fused": "flm's sdpa backend (cuDNN) with dO contiguous, then the fused attention: its GradInQOrder should fix it",
+    "flmsdpa>flmsdpa(dO q-order)": "flm's sdpa backend twice, dO contiguous and then in q's order",
 }
 
 
@@ -53,13 +55,17 @@ def case(name):
     def fused(q, k, v):
         return fa.attention(q, k, v, backend="triton_jvp")
 
+    def flm_sdpa(q, k, v):
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return fa.attention(q, k, v, backend="sdpa")
+
     out = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for step in name.split(">"):
-            if step.startswith("sdpa"):
-                o, gr = grads(qkv, g_q if "q-order" in step else g, sdpa)
-                out.append(f"sdpa O strides {tuple(o.stride())}: {errors(gr, qkv, g)}")
+            if "sdpa" in step:
+                o, gr = grads(qkv, g_q if "q-order" in step else g, flm_sdpa if step.startswith("flm") else sdpa)
+                out.append(f"{step} O strides {tuple(o.stride())}: {errors(gr, qkv, g)}")
             else:
                 if "fa2" in step:
                     os.environ["FLM_ATTN_BACKWARD"] = "torch_fa2"
