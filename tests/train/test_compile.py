@@ -105,3 +105,25 @@ def test_a_bf16_step_compiles_as_one_graph():
         out, _ = loss(model, x, y, step=torch.tensor(0))
     out.backward()
     assert torch.isfinite(out) and sum(p.grad.abs().sum() for p in model.parameters() if p.grad is not None) > 0
+
+
+def test_a_dit_with_sdpa_compiles_as_one_graph_and_matches_eager():
+    """The sdpa backend wraps SDPA's output in GradInQOrder (flm.attention.layout), an autograd.Function: Dynamo must
+    trace it into the graph, and its backward (dO laid out in q's order) must leave the gradients as eager's."""
+    from flm.models import build_model
+
+    torch.manual_seed(0)
+    model = build_model("DiT-T/4", input_size=8, in_channels=1, num_classes=10, attention="sdpa")
+    x, t, y = torch.randn(4, 1, 8, 8), torch.rand(4), torch.randint(0, 10, (4,))
+
+    def loss(x, t, y):
+        return model(x, t, y=y).square().mean()
+
+    grads = []
+    for fn in (loss, torch.compile(loss, fullgraph=True)):
+        model.zero_grad()
+        fn(x, t, y).backward()
+        grads.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
+    assert len(grads[0]) == len(grads[1]) > 0
+    for eager, compiled in zip(*grads):
+        torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-6)
