@@ -3,7 +3,8 @@
 Its fused kernels have no forward-mode rule, so under a JVP (dual tensors or torch.func.jvp) this
 backend runs SDPA's math kernel, which differentiates in both modes. A bias and a key-padding mask
 become one float attn_mask (SDPA then picks a kernel that takes one: memory-efficient, cuDNN or math).
-The plain path hands SDPA's backward dO dense in q's stride order (flm.attention.layout): PyTorch caches cuDNN's
+Where SDPA may run cuDNN (CUDA, Hopper on), the plain path hands its backward dO dense in q's stride order
+(flm.attention.layout): PyTorch caches cuDNN's
 backward graphs under q, k, v alone, so without it two consumers of O that send dO laid out differently at the same
 shapes (or SDPA's and the fused attention's backward) would share a graph built for one of them.
 """
@@ -16,7 +17,27 @@ from flm.attention.layout import grad_in_q_order
 
 
 def attention(q, k, v, *, causal: bool, scale: float, bias=None, key_padding_mask=None) -> torch.Tensor:
-    return _attention(q, k, v, causal, scale, bias, key_padding_mask, grad_in_q_order)
+    return _attention(q, k, v, causal, scale, bias, key_padding_mask, grad_in_q_order if cudnn_may_run(q) else _as_is)
+
+
+def cudnn_may_run(q: torch.Tensor) -> bool:
+    """Whether SDPA may pick cuDNN's attention for q: CUDA from Hopper on (its priority there). Elsewhere GradInQOrder's
+    Python backward node would cost host time for a cache that is never built."""
+    return _hopper_on(q.device)
+
+
+@torch.compiler.assume_constant_result  # a constant of the device: torch.compile folds it, no graph break
+def _hopper_on(device: torch.device) -> bool:
+    if device not in _HOPPER_ON:
+        _HOPPER_ON[device] = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    return _HOPPER_ON[device]
+
+
+_HOPPER_ON: dict[torch.device, bool] = {}
+
+
+def _as_is(o, q):
+    return o
 
 
 def _attention(q, k, v, causal, scale, bias, key_padding_mask, on_output) -> torch.Tensor:
@@ -45,7 +66,7 @@ def _float_mask(q, k, causal, bias, key_padding_mask) -> torch.Tensor:
 def attention_jvp(q, k, v, *, causal: bool, scale: float, bias=None, key_padding_mask=None) -> torch.Tensor:
     # the math kernel builds no cuDNN graph, and GradInQOrder has no forward-mode rule
     with sdpa_kernel(SDPBackend.MATH):
-        return _attention(q, k, v, causal, scale, bias, key_padding_mask, lambda o, q: o)
+        return _attention(q, k, v, causal, scale, bias, key_padding_mask, _as_is)
 
 
 def check_available(device: torch.device, dtype: torch.dtype, head_dim: int) -> None:

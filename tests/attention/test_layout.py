@@ -7,9 +7,10 @@ import torch
 import torch.nn.functional as F
 from torch.autograd import forward_ad
 
-from flm.attention import attention
+from flm.attention import attention, sdpa
 from flm.attention.layout import GradInQOrder, in_q_order
 
+_PLAIN_SDPA = F.scaled_dot_product_attention
 _Q_LAYOUTS = {  # (B, H, N, D) = (2, 3, 5, 8) views of the storages a caller's q comes in
     "contiguous": lambda: torch.randn(2, 3, 5, 8),
     "projection": lambda: torch.randn(2, 5, 3, 3, 8).permute(2, 0, 3, 1, 4)[0],  # the DiT's (B, N, 3, H, D)
@@ -51,6 +52,12 @@ def test_cudnn_feed_lays_o_out_as_sdpas_own_forward(layout):
         assert in_q_order(fed, q) is fed  # no copy when already so
 
 
+@pytest.fixture
+def as_on_hopper(monkeypatch):
+    """The sdpa backend as on a GPU where SDPA may pick cuDNN (on the CPU it leaves dO as it comes)."""
+    monkeypatch.setattr(sdpa, "cudnn_may_run", lambda q: True)
+
+
 def _recording_sdpa(monkeypatch):
     """F.scaled_dot_product_attention that records (q, the dO its backward receives)."""
     seen, sdpa = [], F.scaled_dot_product_attention
@@ -67,7 +74,7 @@ def _recording_sdpa(monkeypatch):
 @pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("do_layout", list(_DO_LAYOUTS))
 @pytest.mark.parametrize("q_layout", list(_Q_LAYOUTS))
-def test_sdpa_backend_hands_its_backward_do_in_qs_order(monkeypatch, q_layout, do_layout, masked):
+def test_sdpa_backend_hands_its_backward_do_in_qs_order(monkeypatch, as_on_hopper, q_layout, do_layout, masked):
     """Whatever layout the consumer of O sends dO back in, SDPA's backward receives it dense in q's stride order (the
     layout its own O has and the fused backward feeds cuDNN), and the gradients are those of plain SDPA, bit for bit."""
     q = _Q_LAYOUTS[q_layout]().requires_grad_()
@@ -80,14 +87,14 @@ def test_sdpa_backend_hands_its_backward_do_in_qs_order(monkeypatch, q_layout, d
     ((q_seen, do_seen),) = seen
     assert q_seen is q
     assert in_q_order(do_seen, q) is do_seen
-    monkeypatch.undo()
+    monkeypatch.setattr(F, "scaled_dot_product_attention", _PLAIN_SDPA)
     mask = None if keep is None else torch.where(keep[:, None, None, :], 0.0, float("-inf"))
     plain = torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, attn_mask=mask), (q, k, v), do)
     for g, ref in zip(grads, plain):
         assert torch.equal(g, ref)
 
 
-def test_no_copy_where_do_arrives_in_qs_order_and_no_wrapper_without_grad():
+def test_no_copy_where_do_arrives_in_qs_order_and_no_wrapper_without_grad(as_on_hopper):
     q = _Q_LAYOUTS["projection"]().requires_grad_()
     do = in_q_order(torch.randn(2, 3, 5, 8), q)
     seen = []
@@ -102,7 +109,15 @@ def test_no_copy_where_do_arrives_in_qs_order_and_no_wrapper_without_grad():
     assert attention(plain, plain, plain, backend="sdpa").grad_fn is None
 
 
-def test_sdpa_backend_jvp_runs_without_the_wrapper():
+def test_no_wrapper_where_sdpa_cannot_run_cudnn():
+    """On the CPU (and CUDA before Hopper) no cuDNN graph is cached: SDPA's output goes out as it is, no Python
+    backward node in the way (host time)."""
+    q = torch.randn(2, 3, 5, 8, requires_grad=True)
+    assert not sdpa.cudnn_may_run(q)
+    assert type(attention(q, q, q, backend="sdpa").grad_fn).__name__ != "GradInQOrderBackward"
+
+
+def test_sdpa_backend_jvp_runs_without_the_wrapper(as_on_hopper):
     """Under forward AD the backend runs SDPA's math kernel, which builds no cuDNN graph; GradInQOrder (no forward-mode
     rule) stays out of the way."""
     q, tq = torch.randn(2, 3, 5, 8, requires_grad=True), torch.randn(2, 3, 5, 8)

@@ -107,11 +107,16 @@ def test_a_bf16_step_compiles_as_one_graph():
     assert torch.isfinite(out) and sum(p.grad.abs().sum() for p in model.parameters() if p.grad is not None) > 0
 
 
-def test_a_dit_with_sdpa_compiles_as_one_graph_and_matches_eager():
-    """The sdpa backend wraps SDPA's output in GradInQOrder (flm.attention.layout), an autograd.Function: Dynamo must
-    trace it into the graph, and its backward (dO laid out in q's order) must leave the gradients as eager's."""
+@pytest.mark.parametrize("as_on_hopper", [False, True])
+def test_a_dit_with_sdpa_compiles_as_one_graph_and_matches_eager(monkeypatch, as_on_hopper):
+    """Where SDPA may run cuDNN the sdpa backend wraps its output in GradInQOrder (flm.attention.layout), an
+    autograd.Function, after a device check: Dynamo must trace both into one graph, and the backward (dO laid out in
+    q's order) must leave the gradients as eager's."""
+    from flm.attention import sdpa
     from flm.models import build_model
 
+    if as_on_hopper:
+        monkeypatch.setattr(sdpa, "cudnn_may_run", lambda q: True)
     torch.manual_seed(0)
     model = build_model("DiT-T/4", input_size=8, in_channels=1, num_classes=10, attention="sdpa")
     x, t, y = torch.randn(4, 1, 8, 8), torch.rand(4), torch.randint(0, 10, (4,))
