@@ -12,6 +12,8 @@ import sys
 import torch
 from torch import Tensor
 
+from flm.nn import signed
+
 
 def stride_order(q: Tensor) -> list[int]:
     """q's dims from the outermost in memory to the innermost; a zero (broadcast) stride counts as the outermost. SDPA
@@ -37,6 +39,7 @@ def in_q_order(x: Tensor, q: Tensor) -> Tensor:
     return dense_in_order(x, q_order(q))
 
 
+@signed
 class GradInQOrder(torch.autograd.Function):
     """Identity on SDPA's output whose backward hands dO on dense in q's stride order, so that SDPA's cached cuDNN
     backward graphs see one dO layout per q, k, v whatever the consumer of O does (a copy only where dO arrives
