@@ -4,9 +4,9 @@ Its fused kernels have no forward-mode rule, so under a JVP (dual tensors or tor
 backend runs SDPA's math kernel, which differentiates in both modes. A bias and a key-padding mask
 become one float attn_mask (SDPA then picks a kernel that takes one: memory-efficient, cuDNN or math).
 Where SDPA may run cuDNN (CUDA, Hopper on), the plain path hands its backward dO dense in q's stride order
-(flm.attention.layout): PyTorch caches cuDNN's
-backward graphs under q, k, v alone, so without it two consumers of O that send dO laid out differently at the same
-shapes (or SDPA's and the fused attention's backward) would share a graph built for one of them.
+(flm.attention.layout): PyTorch caches cuDNN's backward graphs under q, k, v alone, so without it two consumers of O
+that send dO laid out differently at the same shapes (or SDPA's and the fused attention's backward) would share a graph
+built for one of them.
 """
 
 import torch
