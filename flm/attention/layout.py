@@ -61,6 +61,6 @@ class GradInQOrder(torch.autograd.Function):
 def grad_in_q_order(o: Tensor, q: Tensor) -> Tensor:
     """o, whose gradient reaches its producer dense in q's stride order (GradInQOrder); o itself when no gradient
     flows."""
-    if not (torch.is_grad_enabled() and o.requires_grad):
+    if not o.requires_grad:  # also False for an output made under no_grad
         return o
     return GradInQOrder.apply(o, q_order(q))

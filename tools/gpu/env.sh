@@ -2,6 +2,7 @@
 # wheels, unpacks MNIST and the Inception network, and defines
 #   q NAME [quality.py args...]   one benchmarks/quality.py call, its output in $OUT/q/NAME.out
 #   left                          seconds since the call started
+#   rest                          seconds left of LIMIT
 #   pack                          the quality reports and each run's logs into $OUT/q.tar
 S=$(mktemp -d); python3 -m pip install -q --no-index --no-deps --no-compile --target "$S" .gpu/whl/*.whl
 export PYTHONPATH="$S:$PWD"
@@ -14,6 +15,7 @@ fi
 [ -s $I ] || xz -dc .gpu/inception-fp16.pt.xz > $I
 mkdir -p runs/q runs/qout $OUT/q
 left() { echo "[t=$(( $(date +%s) - T0 )) s]"; }
+rest() { echo $(( ${LIMIT:?set LIMIT to the call limit} - ($(date +%s) - T0) )); }  # seconds left of the call
 q() { local name=$1; shift; echo "== $name $(left)"
   python benchmarks/quality.py --data-root $D --inception $I --work runs/q --out runs/qout --weights ema0.99 \
     --flow-map-error 256 "$@" > $OUT/q/$name.out 2>&1; echo "rc=$? $(left)"; tail -n 12 $OUT/q/$name.out; }

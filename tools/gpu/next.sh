@@ -2,10 +2,8 @@
 #   LIMIT=SECONDS bash tools/gpu/next.sh   (carry [".gpu"]; LIMIT: the call's own limit, which decides what fits)
 # Runs the cuDNN probe, the cuDNN backward's gpu tests and then test_triton_jvp_gpu.py beside the attention=auto teacher,
 # then issue 14's seeds 2 and 3 from it while time is left. With LIMIT under 440 s: the probe and the tests alone.
-set -u; cd "$(dirname "$0")/../.."; source tools/gpu/env.sh
-LIMIT=${LIMIT:-590}
+set -u; cd "$(dirname "$0")/../.."; LIMIT=${LIMIT:-590}; source tools/gpu/env.sh
 snap() { tar -cf $OUT/qsnap.tar runs/qout $(ls -d runs/q/*/*.log runs/q/*/*.jsonl 2>/dev/null) 2>/dev/null; }
-rest() { echo $(( LIMIT - ($(date +%s) - T0) )); }
 (
   timeout 150 python tools/gpu/cudnn_probe.py > $OUT/q/probe.log 2>&1; echo "probe rc=$? $(left)" >> $OUT/q/probe.log
   timeout 60 python -m pytest -q -m gpu tests/attention/test_cudnn_backward_gpu.py --tb=long > $OUT/q/cudnn_tests.log 2>&1

@@ -2,10 +2,7 @@
 #   LIMIT=SECONDS bash tools/gpu/next2.sh   (carry [".gpu"])
 # The gpu tests outside the two attention files next.sh ran, beside issue 14's students with attention=auto (the
 # student's plain calls through SDPA, its dO now handed over in q's order by flm's sdpa backend) on seeds 0 and 2.
-set -u; cd "$(dirname "$0")/../.."; source tools/gpu/env.sh
-LIMIT=${LIMIT:-590}
-rest() { echo $(( LIMIT - ($(date +%s) - T0) )); }
-[ -d runs/q/fmqa2 ] || { echo "no teacher runs/q/fmqa2 on this machine: run next.sh first"; }
+set -u; cd "$(dirname "$0")/../.."; LIMIT=${LIMIT:-590}; source tools/gpu/env.sh
 (
   timeout $(( $(rest) - 40 )) python -m pytest -q -m gpu tests --ignore=tests/attention/test_cudnn_backward_gpu.py \
     --ignore=tests/attention/test_triton_jvp_gpu.py --tb=short > $OUT/q/gpu_rest.log 2>&1
@@ -17,6 +14,8 @@ if [ -d runs/q/fmqa2 ]; then
     q rcmgqas$seed --attention auto --weights ema0.99 ema0.995 \
       --runs "rcmgqas$seed:rcm_gan:54s:objective.teacher=RUNS/fmqa2,trainer.seed=$seed,trainer.ema_decays=[0.99,0.995]"
   done
+else
+  echo "no teacher runs/q/fmqa2 on this machine: run next.sh first"
 fi
 wait; echo "tests done $(left)"; tail -n 15 $OUT/q/gpu_rest.log
 pack; echo "end $(left)"
