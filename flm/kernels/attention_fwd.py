@@ -53,6 +53,48 @@ def _rows(ptr, off_b, off_h, stride_b, stride_h):
 
 
 @triton.jit
+def _head(
+    ptr,
+    off_b,
+    off_h,
+    stride_b,
+    stride_h,
+    rows,
+    stride_row,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
+):
+    """A tensor descriptor (Hopper's TMA) of head (off_b, off_h)'s (rows, HEAD_DIM) matrix, read in
+    (BLOCK_ROWS, BLOCK_COLS) blocks; rows and columns past its end read as 0."""
+    return tl.make_tensor_descriptor(
+        _rows(ptr, off_b, off_h, stride_b, stride_h),
+        shape=[rows, HEAD_DIM],
+        strides=[stride_row, 1],
+        block_shape=[BLOCK_ROWS, BLOCK_COLS],
+    )
+
+
+@triton.jit
+def _key_block_t(src, start_n, col, mask, pad, TMA: tl.constexpr):
+    """K^T's (head-dim chunk, BLOCK_N) block at key start_n: from a descriptor at column col (read as keys x
+    head dim, transposed in shared memory for the dot), or from pointers already at the block."""
+    if TMA:
+        return tl.trans(src.load([start_n, col]))
+    else:
+        return tl.load(src, mask=mask, other=pad)
+
+
+@triton.jit
+def _value_block(src, start_n, col, mask, pad, TMA: tl.constexpr):
+    """V's (BLOCK_N, head-dim chunk) block at key start_n, as _key_block_t reads K's."""
+    if TMA:
+        return src.load([start_n, col])
+    else:
+        return tl.load(src, mask=mask, other=pad)
+
+
+@triton.jit
 def _fwd_inner(
     acc,
     acc_r,
@@ -100,20 +142,24 @@ def _fwd_inner(
     MASK: tl.constexpr,
     CAUSAL: tl.constexpr,
     PRECISION: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     """Accumulate key blocks [lo, hi). MASK: the range holds the ragged end or the causal diagonal.
-    The *_r names are the head dim's remainder chunk (used only when BLOCK_D_REM > 0)."""
-    k_ptrs += lo * stride_kn
-    v_ptrs += lo * stride_vn
-    if BLOCK_D_REM > 0:
-        kr_ptrs += lo * stride_kn
-        vr_ptrs += lo * stride_vn
-    if HAS_TANGENT:
-        tk_ptrs += lo * stride_tkn
-        tv_ptrs += lo * stride_tvn
+    The *_r names are the head dim's remainder chunk (used only when BLOCK_D_REM > 0). With TMA the *_ptrs
+    are tensor descriptors of one head's (tokens, head dim) rows, which read keys past the end and columns
+    past the head dim as 0 by themselves."""
+    if not TMA:
+        k_ptrs += lo * stride_kn
+        v_ptrs += lo * stride_vn
         if BLOCK_D_REM > 0:
-            tkr_ptrs += lo * stride_tkn
-            tvr_ptrs += lo * stride_tvn
+            kr_ptrs += lo * stride_kn
+            vr_ptrs += lo * stride_vn
+        if HAS_TANGENT:
+            tk_ptrs += lo * stride_tkn
+            tv_ptrs += lo * stride_tvn
+            if BLOCK_D_REM > 0:
+                tkr_ptrs += lo * stride_tkn
+                tvr_ptrs += lo * stride_tvn
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + offs_n
@@ -130,10 +176,10 @@ def _fwd_inner(
             d_ok = BLOCK_D + tl.arange(0, BLOCK_D_REM) < HEAD_DIM
             ktr_mask = d_ok[:, None] & kt_mask if MASK else d_ok[:, None]
             vr_mask = d_ok[None, :] & v_mask if MASK else d_ok[None, :]
-        kt = tl.load(k_ptrs, mask=kt_mask, other=pad)
+        kt = _key_block_t(k_ptrs, start_n, 0, kt_mask, pad, TMA)
         s = tl.dot(q, kt, input_precision=PRECISION)
         if BLOCK_D_REM > 0:
-            kt_r = tl.load(kr_ptrs, mask=ktr_mask, other=0.0)
+            kt_r = _key_block_t(kr_ptrs, start_n, BLOCK_D, ktr_mask, 0.0, TMA)
             s = tl.dot(q_r, kt_r, s, input_precision=PRECISION)
         s = s * qk_scale  # log2 units
         if HAS_BIAS:
@@ -156,17 +202,17 @@ def _fwd_inner(
         p = tl.math.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        v = tl.load(v_ptrs, mask=v_mask, other=pad)
+        v = _value_block(v_ptrs, start_n, 0, v_mask, pad, TMA)
         p_in = p.to(v.dtype)
         if BLOCK_D_REM > 0:
             acc_r = acc_r * alpha[:, None]
-            v_r = tl.load(vr_ptrs, mask=vr_mask, other=0.0)
+            v_r = _value_block(vr_ptrs, start_n, BLOCK_D, vr_mask, 0.0, TMA)
         if HAS_TANGENT:
-            tkt = tl.load(tk_ptrs, mask=kt_mask, other=pad)
+            tkt = _key_block_t(tk_ptrs, start_n, 0, kt_mask, pad, TMA)
             ts = tl.dot(tq, kt, input_precision=PRECISION)
             ts = tl.dot(q, tkt, ts, input_precision=PRECISION)
             if BLOCK_D_REM > 0:
-                tkt_r = tl.load(tkr_ptrs, mask=ktr_mask, other=0.0)
+                tkt_r = _key_block_t(tkr_ptrs, start_n, BLOCK_D, ktr_mask, 0.0, TMA)
                 ts = tl.dot(tq_r, kt_r, ts, input_precision=PRECISION)
                 ts = tl.dot(q_r, tkt_r, ts, input_precision=PRECISION)
             ts = ts * scale
@@ -175,26 +221,30 @@ def _fwd_inner(
             h = p * ts
             r_i = r_i * alpha + tl.sum(h, 1)
             acc_t = acc_t * alpha[:, None]
-            tv = tl.load(tv_ptrs, mask=v_mask, other=pad)
+            tv = _value_block(tv_ptrs, start_n, 0, v_mask, pad, TMA)
             acc_t = tl.dot(p_in, tv, acc_t, input_precision=PRECISION)
             acc_t = tl.dot(h.to(v.dtype), v, acc_t, input_precision=PRECISION)
-            tk_ptrs += BLOCK_N * stride_tkn
-            tv_ptrs += BLOCK_N * stride_tvn
+            if not TMA:
+                tk_ptrs += BLOCK_N * stride_tkn
+                tv_ptrs += BLOCK_N * stride_tvn
             if BLOCK_D_REM > 0:
                 acc_t_r = acc_t_r * alpha[:, None]
-                tv_r = tl.load(tvr_ptrs, mask=vr_mask, other=0.0)
+                tv_r = _value_block(tvr_ptrs, start_n, BLOCK_D, vr_mask, 0.0, TMA)
                 acc_t_r = tl.dot(p_in, tv_r, acc_t_r, input_precision=PRECISION)
                 acc_t_r = tl.dot(h.to(v.dtype), v_r, acc_t_r, input_precision=PRECISION)
-                tkr_ptrs += BLOCK_N * stride_tkn
-                tvr_ptrs += BLOCK_N * stride_tvn
+                if not TMA:
+                    tkr_ptrs += BLOCK_N * stride_tkn
+                    tvr_ptrs += BLOCK_N * stride_tvn
         acc = tl.dot(p_in, v, acc, input_precision=PRECISION)
         m_i = m_new
-        k_ptrs += BLOCK_N * stride_kn
-        v_ptrs += BLOCK_N * stride_vn
+        if not TMA:
+            k_ptrs += BLOCK_N * stride_kn
+            v_ptrs += BLOCK_N * stride_vn
         if BLOCK_D_REM > 0:
             acc_r = tl.dot(p_in, v_r, acc_r, input_precision=PRECISION)
-            kr_ptrs += BLOCK_N * stride_kn
-            vr_ptrs += BLOCK_N * stride_vn
+            if not TMA:
+                kr_ptrs += BLOCK_N * stride_kn
+                vr_ptrs += BLOCK_N * stride_vn
     return acc, acc_r, acc_t, acc_t_r, l_i, m_i, r_i
 
 
@@ -258,6 +308,7 @@ def _fwd_kernel(
     HAS_MASK: tl.constexpr,
     CAUSAL: tl.constexpr,
     PRECISION: tl.constexpr,
+    TMA: tl.constexpr,  # read q, k, v and the tangents through tensor descriptors (Hopper's TMA; no bias or mask)
 ):
     start_m = tl.program_id(0)
     off_bh = tl.program_id(1)
@@ -280,44 +331,82 @@ def _fwd_kernel(
         stride_tkn = stride_tkn // 8 * 8
         stride_tvn = stride_tvn // 8 * 8
         stride_om = stride_om // 8 * 8
-    q_ptrs = _rows(Q, off_b, off_h, stride_qb, stride_qh) + offs_m[:, None] * stride_qm + offs_d[None, :]
-    k_ptrs = _rows(K, off_b, off_h, stride_kb, stride_kh) + offs_d[:, None] + offs_n[None, :] * stride_kn
-    v_ptrs = _rows(V, off_b, off_h, stride_vb, stride_vh) + offs_n[:, None] * stride_vn + offs_d[None, :]
-    q = tl.load(q_ptrs, mask=q_mask, other=0.0)
-    if HAS_TANGENT:
-        tq_ptrs = _rows(TQ, off_b, off_h, stride_tqb, stride_tqh) + offs_m[:, None] * stride_tqm + offs_d[None, :]
-        tk_ptrs = _rows(TK, off_b, off_h, stride_tkb, stride_tkh) + offs_d[:, None] + offs_n[None, :] * stride_tkn
-        tv_ptrs = _rows(TV, off_b, off_h, stride_tvb, stride_tvh) + offs_n[:, None] * stride_tvn + offs_d[None, :]
-        tq = tl.load(tq_ptrs, mask=q_mask, other=0.0)
-    else:
-        tq = q
-        tk_ptrs = k_ptrs
-        tv_ptrs = v_ptrs
-    # the remainder chunk: the same tiles at columns BLOCK_D .. BLOCK_D + BLOCK_D_REM - 1, zero past HEAD_DIM
-    # (set up after the main chunk's, which then compiles as it did before the split)
     if BLOCK_D_REM > 0:
         offs_dr = BLOCK_D + tl.arange(0, BLOCK_D_REM)
         qr_mask = q_mask & (offs_dr[None, :] < HEAD_DIM)
-        qr_ptrs = _rows(Q, off_b, off_h, stride_qb, stride_qh) + offs_m[:, None] * stride_qm + offs_dr[None, :]
-        kr_ptrs = _rows(K, off_b, off_h, stride_kb, stride_kh) + offs_dr[:, None] + offs_n[None, :] * stride_kn
-        vr_ptrs = _rows(V, off_b, off_h, stride_vb, stride_vh) + offs_n[:, None] * stride_vn + offs_dr[None, :]
-        q_r = tl.load(qr_ptrs, mask=qr_mask, other=0.0)
+    if TMA:  # one head's (tokens, head dim) rows as tensor descriptors: the kernel reads every tile through them
+        rows_m = start_m * BLOCK_M
+        q = _head(Q, off_b, off_h, stride_qb, stride_qh, LQ, stride_qm, HEAD_DIM, BLOCK_M, BLOCK_D).load([rows_m, 0])
+        k_ptrs = _head(K, off_b, off_h, stride_kb, stride_kh, LKV, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D)
+        v_ptrs = _head(V, off_b, off_h, stride_vb, stride_vh, LKV, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D)
         if HAS_TANGENT:
-            tqr_ptrs = _rows(TQ, off_b, off_h, stride_tqb, stride_tqh) + offs_m[:, None] * stride_tqm + offs_dr[None, :]
-            tkr_ptrs = _rows(TK, off_b, off_h, stride_tkb, stride_tkh) + offs_dr[:, None] + offs_n[None, :] * stride_tkn
-            tvr_ptrs = _rows(TV, off_b, off_h, stride_tvb, stride_tvh) + offs_n[:, None] * stride_tvn + offs_dr[None, :]
-            tq_r = tl.load(tqr_ptrs, mask=qr_mask, other=0.0)
+            tq = _head(TQ, off_b, off_h, stride_tqb, stride_tqh, LQ, stride_tqm, HEAD_DIM, BLOCK_M, BLOCK_D).load([rows_m, 0])
+            tk_ptrs = _head(TK, off_b, off_h, stride_tkb, stride_tkh, LKV, stride_tkn, HEAD_DIM, BLOCK_N, BLOCK_D)
+            tv_ptrs = _head(TV, off_b, off_h, stride_tvb, stride_tvh, LKV, stride_tvn, HEAD_DIM, BLOCK_N, BLOCK_D)
         else:
-            tq_r = q_r
-            tkr_ptrs = kr_ptrs
-            tvr_ptrs = vr_ptrs
-    else:  # unused placeholders
-        q_r = q
-        tq_r = tq
-        kr_ptrs = k_ptrs
-        vr_ptrs = v_ptrs
-        tkr_ptrs = tk_ptrs
-        tvr_ptrs = tv_ptrs
+            tq = q
+            tk_ptrs = k_ptrs
+            tv_ptrs = v_ptrs
+        if BLOCK_D_REM > 0:  # the remainder's descriptors: blocks BLOCK_D_REM wide, read at column BLOCK_D
+            q_r = _head(Q, off_b, off_h, stride_qb, stride_qh, LQ, stride_qm, HEAD_DIM, BLOCK_M, BLOCK_D_REM).load(
+                [rows_m, BLOCK_D]
+            )
+            kr_ptrs = _head(K, off_b, off_h, stride_kb, stride_kh, LKV, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D_REM)
+            vr_ptrs = _head(V, off_b, off_h, stride_vb, stride_vh, LKV, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D_REM)
+            if HAS_TANGENT:
+                tq_r = _head(TQ, off_b, off_h, stride_tqb, stride_tqh, LQ, stride_tqm, HEAD_DIM, BLOCK_M, BLOCK_D_REM).load(
+                    [rows_m, BLOCK_D]
+                )
+                tkr_ptrs = _head(TK, off_b, off_h, stride_tkb, stride_tkh, LKV, stride_tkn, HEAD_DIM, BLOCK_N, BLOCK_D_REM)
+                tvr_ptrs = _head(TV, off_b, off_h, stride_tvb, stride_tvh, LKV, stride_tvn, HEAD_DIM, BLOCK_N, BLOCK_D_REM)
+            else:
+                tq_r = q_r
+                tkr_ptrs = kr_ptrs
+                tvr_ptrs = vr_ptrs
+        else:  # unused placeholders
+            q_r = q
+            tq_r = tq
+            kr_ptrs = k_ptrs
+            vr_ptrs = v_ptrs
+            tkr_ptrs = tk_ptrs
+            tvr_ptrs = tv_ptrs
+    else:
+        q_ptrs = _rows(Q, off_b, off_h, stride_qb, stride_qh) + offs_m[:, None] * stride_qm + offs_d[None, :]
+        k_ptrs = _rows(K, off_b, off_h, stride_kb, stride_kh) + offs_d[:, None] + offs_n[None, :] * stride_kn
+        v_ptrs = _rows(V, off_b, off_h, stride_vb, stride_vh) + offs_n[:, None] * stride_vn + offs_d[None, :]
+        q = tl.load(q_ptrs, mask=q_mask, other=0.0)
+        if HAS_TANGENT:
+            tq_ptrs = _rows(TQ, off_b, off_h, stride_tqb, stride_tqh) + offs_m[:, None] * stride_tqm + offs_d[None, :]
+            tk_ptrs = _rows(TK, off_b, off_h, stride_tkb, stride_tkh) + offs_d[:, None] + offs_n[None, :] * stride_tkn
+            tv_ptrs = _rows(TV, off_b, off_h, stride_tvb, stride_tvh) + offs_n[:, None] * stride_tvn + offs_d[None, :]
+            tq = tl.load(tq_ptrs, mask=q_mask, other=0.0)
+        else:
+            tq = q
+            tk_ptrs = k_ptrs
+            tv_ptrs = v_ptrs
+        # the remainder chunk: the same tiles at columns BLOCK_D .. BLOCK_D + BLOCK_D_REM - 1, zero past HEAD_DIM
+        # (set up after the main chunk's, which then compiles as it did before the split)
+        if BLOCK_D_REM > 0:
+            qr_ptrs = _rows(Q, off_b, off_h, stride_qb, stride_qh) + offs_m[:, None] * stride_qm + offs_dr[None, :]
+            kr_ptrs = _rows(K, off_b, off_h, stride_kb, stride_kh) + offs_dr[:, None] + offs_n[None, :] * stride_kn
+            vr_ptrs = _rows(V, off_b, off_h, stride_vb, stride_vh) + offs_n[:, None] * stride_vn + offs_dr[None, :]
+            q_r = tl.load(qr_ptrs, mask=qr_mask, other=0.0)
+            if HAS_TANGENT:
+                tqr_ptrs = _rows(TQ, off_b, off_h, stride_tqb, stride_tqh) + offs_m[:, None] * stride_tqm + offs_dr[None, :]
+                tkr_ptrs = _rows(TK, off_b, off_h, stride_tkb, stride_tkh) + offs_dr[:, None] + offs_n[None, :] * stride_tkn
+                tvr_ptrs = _rows(TV, off_b, off_h, stride_tvb, stride_tvh) + offs_n[:, None] * stride_tvn + offs_dr[None, :]
+                tq_r = tl.load(tqr_ptrs, mask=qr_mask, other=0.0)
+            else:
+                tq_r = q_r
+                tkr_ptrs = kr_ptrs
+                tvr_ptrs = vr_ptrs
+        else:  # unused placeholders
+            q_r = q
+            tq_r = tq
+            kr_ptrs = k_ptrs
+            vr_ptrs = v_ptrs
+            tkr_ptrs = tk_ptrs
+            tvr_ptrs = tv_ptrs
     if HAS_BIAS:
         # (BLOCK_M, 1) row pointers; rows past Lq read row Lq - 1 (never stored), so only keys need load masks
         rows = tl.minimum(offs_m, LQ - 1)[:, None]
@@ -395,6 +484,7 @@ def _fwd_kernel(
         False,
         CAUSAL,
         PRECISION,
+        TMA,
     )
     acc, acc_r, acc_t, acc_t_r, l_i, m_i, r_i = _fwd_inner(
         acc,
@@ -443,6 +533,7 @@ def _fwd_kernel(
         True,
         CAUSAL,
         PRECISION,
+        TMA,
     )
 
     # epilogue; a row with no key at all (l = 0) gets O = tO = 0 and lse = -inf instead of NaN
@@ -507,7 +598,18 @@ def _prune(configs, named_args, **meta):
 
 _fwd_tuned = triton.autotune(
     configs=[triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in _ALL],
-    key=["LQ_BUCKET", "LKV_BUCKET", "HEAD_DIM", "HAS_TANGENT", "HAS_BIAS", "HAS_BIAS_TANGENT", "HAS_MASK", "CAUSAL", "PRECISION"],
+    key=[
+        "LQ_BUCKET",
+        "LKV_BUCKET",
+        "HEAD_DIM",
+        "HAS_TANGENT",
+        "HAS_BIAS",
+        "HAS_BIAS_TANGENT",
+        "HAS_MASK",
+        "CAUSAL",
+        "PRECISION",
+        "TMA",
+    ],
     prune_configs_by={"early_config_prune": _prune},
     cache_results=True,
 )(_fwd_kernel)
@@ -547,6 +649,42 @@ def first_that_fits(launch, configs):
             if i == len(configs) - 1:
                 raise
     raise ValueError("no launch configuration to try")
+
+
+def tma_wanted() -> bool:
+    """FLM_ATTENTION_TMA=1 (or true, on, yes): the forward reads its tiles through tensor descriptors (Hopper's TMA) where
+    they fit. Off by default until measured against the pointer loads on a GPU (benchmarks/attention.py --tma)."""
+    value = os.environ.get("FLM_ATTENTION_TMA", "0").strip().lower()
+    if value in ("1", "true", "on", "yes"):
+        return True
+    if value in ("0", "false", "off", "no", ""):
+        return False
+    raise ValueError(f"FLM_ATTENTION_TMA={value!r}: set 1 (tensor descriptors where they fit) or 0 (pointer loads, the default)")
+
+
+def tma_fits(tensors, has_bias: bool, has_mask: bool) -> bool:
+    """Tensor descriptors can read these inputs: a GPU of compute capability 9 or more (or the interpreter), no bias
+    or mask (their loads stay pointers), and 16-byte aligned bases (their strides are multiples of 8 elements already,
+    `_prepare`)."""
+    if has_bias or has_mask:
+        return False
+    x = tensors[0]
+    if not interpreted() and (x.device.type != "cuda" or torch.cuda.get_device_capability(x.device)[0] < 9):
+        return False
+    return all(t.data_ptr() % 16 == 0 for t in tensors)
+
+
+def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    """Global memory for the descriptors the kernel makes (Triton asks at each launch that needs it)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _ensure_allocator() -> None:
+    """Give Triton `_scratch` as its allocator unless the caller has set one (Triton's default refuses to allocate)."""
+    from triton.runtime import _allocation
+
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        triton.set_allocator(_scratch)
 
 
 def interpreted() -> bool:
@@ -613,11 +751,13 @@ def attention_fwd(
     bias=None,
     bias_tangent=None,
     key_padding_mask=None,
+    tma: bool | None = None,
 ):
     """(o, to, lse) for q (B, H, Lq, D), k/v (B, H, Lkv, D); to is None without tangents.
 
     Inputs are assumed checked (flm.attention.inputs); lse is (B, H, Lq) fp32 in natural log.
     config = (BLOCK_M, BLOCK_N, num_warps, num_stages) skips tuning (benchmarks/attention_configs.py).
+    tma: read the tiles through tensor descriptors (None: FLM_ATTENTION_TMA decides); off where they do not fit.
     bias (and bias_tangent, used only with tangents): 4 dims broadcastable to (B, H, Lq, Lkv), any
     strides; key_padding_mask: bool (B, Lkv), True = attend.
     """
@@ -638,6 +778,9 @@ def attention_fwd(
     o = torch.empty((b, h, lq, width), dtype=q.dtype, device=q.device)
     to = torch.empty_like(o) if has_tangent else o
     lse = torch.empty((b, h, lq), dtype=torch.float32, device=q.device)
+    if tma is None:
+        tma = tma_wanted()
+    tma = tma and tma_fits((q, k, v, tq, tk, tv), has_bias, has_mask)
     # broadcast dims read with stride 0; absent inputs pass q and zero strides (the kernel ignores them)
     bias = bias.expand(b, h, lq, lkv) if has_bias else q
     tbias = bias_tangent.expand(b, h, lq, lkv) if has_bias_tangent else q
@@ -675,10 +818,13 @@ def attention_fwd(
         HAS_MASK=has_mask,
         CAUSAL=causal,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        TMA=tma,
     )
     interpreter = interpreted()
     if interpreter:
         config = (16, 16, 4, 1)
+    elif tma:
+        _ensure_allocator()
     tune_key = None
     if config is None:  # the autotuner's key (its key names and the inputs' dtypes)
         tune_key = (args[-2], args[-1], *meta.values(), q.dtype, bias.dtype, tbias.dtype, q.device)
@@ -706,4 +852,14 @@ def attention_fwd(
     return o, to if has_tangent else None, lse
 
 
-__all__ = ["attention_fwd", "autotuning", "candidates", "check_head_dim", "split_head_dim", "interpreted", "SUPPORTED_HEAD_DIMS"]
+__all__ = [
+    "attention_fwd",
+    "autotuning",
+    "candidates",
+    "check_head_dim",
+    "split_head_dim",
+    "interpreted",
+    "tma_fits",
+    "tma_wanted",
+    "SUPPORTED_HEAD_DIMS",
+]

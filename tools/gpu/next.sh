@@ -8,6 +8,8 @@ snap() { tar -cf $OUT/qsnap.tar runs/qout $(ls -d runs/q/*/*.log runs/q/*/*.json
   timeout 150 python tools/gpu/cudnn_probe.py > $OUT/q/probe.log 2>&1; echo "probe rc=$? $(left)" >> $OUT/q/probe.log
   timeout 60 python -m pytest -q -m gpu tests/attention/test_cudnn_backward_gpu.py --tb=long > $OUT/q/cudnn_tests.log 2>&1
   echo "rc=$? $(left)" >> $OUT/q/cudnn_tests.log
+  timeout 120 python -m pytest -q -m gpu tests/attention/test_tma_gpu.py --tb=short > $OUT/q/tma_tests.log 2>&1
+  echo "rc=$? $(left)" >> $OUT/q/tma_tests.log
   timeout $(( $(rest) - 30 )) python -m pytest -q -m gpu tests/attention/test_triton_jvp_gpu.py tests/train/test_compile.py \
     --tb=short > $OUT/q/gpu_main.log 2>&1; echo "main gpu rc=$? $(left)" >> $OUT/q/gpu_main.log
 ) &
@@ -19,5 +21,5 @@ if [ $LIMIT -ge 440 ]; then
       --runs "rcmgqats$seed:rcm_gan:54s:objective.teacher=RUNS/fmqa2,trainer.seed=$seed,trainer.ema_decays=[0.99,0.995]"; snap
   done
 fi
-wait; echo "tests done $(left)"; cat $OUT/q/probe.log; tail -n 5 $OUT/q/cudnn_tests.log $OUT/q/gpu_main.log
+wait; echo "tests done $(left)"; cat $OUT/q/probe.log; tail -n 5 $OUT/q/cudnn_tests.log $OUT/q/tma_tests.log $OUT/q/gpu_main.log
 pack; rm -f $OUT/qsnap.tar; echo "end $(left)"
