@@ -668,10 +668,20 @@ def tma_fits(tensors, has_bias: bool, has_mask: bool) -> bool:
     `_prepare`)."""
     if has_bias or has_mask:
         return False
-    x = tensors[0]
-    if not interpreted() and (x.device.type != "cuda" or torch.cuda.get_device_capability(x.device)[0] < 9):
+    if not interpreted() and not _hopper_or_later(tensors[0].device):
         return False
     return all(t.data_ptr() % 16 == 0 for t in tensors)
+
+
+_HOPPER: dict[torch.device, bool] = {}
+
+
+def _hopper_or_later(device: torch.device) -> bool:
+    """CUDA of compute capability 9 or more (cached: asked on every launch)."""
+    known = _HOPPER.get(device)
+    if known is None:
+        known = _HOPPER[device] = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    return known
 
 
 def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
