@@ -14,4 +14,5 @@ cfg() { timeout $(( $(rest) - 10 )) python benchmarks/attention_configs.py "$@";
 cfg --head-dims 64 72 128 --tokens 256 1024 4096 --candidates --loads pointers tma > $OUT/tma_candidates.log 2>&1
 cfg --head-dims 72 128 64 --tokens 4096 1024 256 --blocks 128x128 128x64 128x32 64x64 --warps 8 --stages 2 3 4 --loads tma \
   > $OUT/tma_grid.log 2>&1
-for f in $OUT/tma_candidates.log $OUT/tma_grid.log; do echo "== $f"; grep -A4 "best first" $f; tail -n 1 $f; done
+cfg --head-dims 64 72 128 --tokens 256 1024 --blocks 64x64 64x32 --warps 4 --stages 2 3 --loads tma > $OUT/tma_grid4.log 2>&1
+for f in $OUT/tma_candidates.log $OUT/tma_grid.log $OUT/tma_grid4.log; do echo "== $f"; grep -A4 "best first" $f; tail -n 1 $f; done
