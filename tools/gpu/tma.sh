@@ -10,9 +10,11 @@ python -c "import torch, triton; print(torch.__version__, triton.__version__)"
 timeout 150 python -m pytest -q -m gpu tests/attention/test_tma_gpu.py --tb=short > $OUT/tma_tests.log 2>&1
 echo "tma tests rc=$? $(left)" | tee -a $OUT/tma_tests.log; tail -n 20 $OUT/tma_tests.log
 export TRITON_CACHE_DIR=$(mktemp -d)
+( TRITON_CACHE_DIR=$(mktemp -d) timeout 200 python benchmarks/attention_ptxas.py > $OUT/tma_ptxas.md 2>&1 ) &  # Triton 3.6's registers
 cfg() { timeout $(( $(rest) - 10 )) python benchmarks/attention_configs.py "$@"; echo "rc=$? $(left)"; }
 cfg --head-dims 64 72 128 --tokens 256 1024 4096 --candidates --loads pointers tma > $OUT/tma_candidates.log 2>&1
 cfg --head-dims 72 128 64 --tokens 4096 1024 256 --blocks 128x128 128x64 128x32 64x64 --warps 8 --stages 2 3 4 --loads tma \
   > $OUT/tma_grid.log 2>&1
 cfg --head-dims 64 72 128 --tokens 256 1024 --blocks 64x64 64x32 --warps 4 --stages 2 3 --loads tma > $OUT/tma_grid4.log 2>&1
+wait; cat $OUT/tma_ptxas.md
 for f in $OUT/tma_candidates.log $OUT/tma_grid.log $OUT/tma_grid4.log; do echo "== $f"; grep -A4 "best first" $f; tail -n 1 $f; done
