@@ -331,82 +331,76 @@ def _fwd_kernel(
         stride_tkn = stride_tkn // 8 * 8
         stride_tvn = stride_tvn // 8 * 8
         stride_om = stride_om // 8 * 8
+    # q and its tangent, read once per program (through descriptors too with TMA, which holds fewer registers: at head
+    # dim 128, 216 against 254 by benchmarks/attention_ptxas.py); the remainder chunk: columns BLOCK_D .. BLOCK_D +
+    # BLOCK_D_REM - 1, zero past HEAD_DIM
     if BLOCK_D_REM > 0:
         offs_dr = BLOCK_D + tl.arange(0, BLOCK_D_REM)
         qr_mask = q_mask & (offs_dr[None, :] < HEAD_DIM)
-    if TMA:  # one head's (tokens, head dim) rows as tensor descriptors: the kernel reads every tile through them
+    if TMA:
         rows_m = start_m * BLOCK_M
         q = _head(Q, off_b, off_h, stride_qb, stride_qh, LQ, stride_qm, HEAD_DIM, BLOCK_M, BLOCK_D).load([rows_m, 0])
-        k_ptrs = _head(K, off_b, off_h, stride_kb, stride_kh, LKV, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D)
-        v_ptrs = _head(V, off_b, off_h, stride_vb, stride_vh, LKV, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D)
         if HAS_TANGENT:
             tq = _head(TQ, off_b, off_h, stride_tqb, stride_tqh, LQ, stride_tqm, HEAD_DIM, BLOCK_M, BLOCK_D).load([rows_m, 0])
-            tk_ptrs = _head(TK, off_b, off_h, stride_tkb, stride_tkh, LKV, stride_tkn, HEAD_DIM, BLOCK_N, BLOCK_D)
-            tv_ptrs = _head(TV, off_b, off_h, stride_tvb, stride_tvh, LKV, stride_tvn, HEAD_DIM, BLOCK_N, BLOCK_D)
-        else:
-            tq = q
-            tk_ptrs = k_ptrs
-            tv_ptrs = v_ptrs
-        if BLOCK_D_REM > 0:  # the remainder's descriptors: blocks BLOCK_D_REM wide, read at column BLOCK_D
-            q_r = _head(Q, off_b, off_h, stride_qb, stride_qh, LQ, stride_qm, HEAD_DIM, BLOCK_M, BLOCK_D_REM).load(
-                [rows_m, BLOCK_D]
-            )
-            kr_ptrs = _head(K, off_b, off_h, stride_kb, stride_kh, LKV, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D_REM)
-            vr_ptrs = _head(V, off_b, off_h, stride_vb, stride_vh, LKV, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D_REM)
+        if BLOCK_D_REM > 0:
+            q_r = _head(Q, off_b, off_h, stride_qb, stride_qh, LQ, stride_qm, HEAD_DIM, BLOCK_M, BLOCK_D_REM)
+            q_r = q_r.load([rows_m, BLOCK_D])
             if HAS_TANGENT:
-                tq_r = _head(TQ, off_b, off_h, stride_tqb, stride_tqh, LQ, stride_tqm, HEAD_DIM, BLOCK_M, BLOCK_D_REM).load(
-                    [rows_m, BLOCK_D]
-                )
-                tkr_ptrs = _head(TK, off_b, off_h, stride_tkb, stride_tkh, LKV, stride_tkn, HEAD_DIM, BLOCK_N, BLOCK_D_REM)
-                tvr_ptrs = _head(TV, off_b, off_h, stride_tvb, stride_tvh, LKV, stride_tvn, HEAD_DIM, BLOCK_N, BLOCK_D_REM)
-            else:
-                tq_r = q_r
-                tkr_ptrs = kr_ptrs
-                tvr_ptrs = vr_ptrs
-        else:  # unused placeholders
-            q_r = q
-            tq_r = tq
-            kr_ptrs = k_ptrs
-            vr_ptrs = v_ptrs
-            tkr_ptrs = tk_ptrs
-            tvr_ptrs = tv_ptrs
+                tq_r = _head(TQ, off_b, off_h, stride_tqb, stride_tqh, LQ, stride_tqm, HEAD_DIM, BLOCK_M, BLOCK_D_REM)
+                tq_r = tq_r.load([rows_m, BLOCK_D])
     else:
         q_ptrs = _rows(Q, off_b, off_h, stride_qb, stride_qh) + offs_m[:, None] * stride_qm + offs_d[None, :]
-        k_ptrs = _rows(K, off_b, off_h, stride_kb, stride_kh) + offs_d[:, None] + offs_n[None, :] * stride_kn
-        v_ptrs = _rows(V, off_b, off_h, stride_vb, stride_vh) + offs_n[:, None] * stride_vn + offs_d[None, :]
         q = tl.load(q_ptrs, mask=q_mask, other=0.0)
         if HAS_TANGENT:
             tq_ptrs = _rows(TQ, off_b, off_h, stride_tqb, stride_tqh) + offs_m[:, None] * stride_tqm + offs_d[None, :]
-            tk_ptrs = _rows(TK, off_b, off_h, stride_tkb, stride_tkh) + offs_d[:, None] + offs_n[None, :] * stride_tkn
-            tv_ptrs = _rows(TV, off_b, off_h, stride_tvb, stride_tvh) + offs_n[:, None] * stride_tvn + offs_d[None, :]
             tq = tl.load(tq_ptrs, mask=q_mask, other=0.0)
-        else:
-            tq = q
-            tk_ptrs = k_ptrs
-            tv_ptrs = v_ptrs
-        # the remainder chunk: the same tiles at columns BLOCK_D .. BLOCK_D + BLOCK_D_REM - 1, zero past HEAD_DIM
-        # (set up after the main chunk's, which then compiles as it did before the split)
         if BLOCK_D_REM > 0:
             qr_ptrs = _rows(Q, off_b, off_h, stride_qb, stride_qh) + offs_m[:, None] * stride_qm + offs_dr[None, :]
-            kr_ptrs = _rows(K, off_b, off_h, stride_kb, stride_kh) + offs_dr[:, None] + offs_n[None, :] * stride_kn
-            vr_ptrs = _rows(V, off_b, off_h, stride_vb, stride_vh) + offs_n[:, None] * stride_vn + offs_dr[None, :]
             q_r = tl.load(qr_ptrs, mask=qr_mask, other=0.0)
             if HAS_TANGENT:
                 tqr_ptrs = _rows(TQ, off_b, off_h, stride_tqb, stride_tqh) + offs_m[:, None] * stride_tqm + offs_dr[None, :]
+                tq_r = tl.load(tqr_ptrs, mask=qr_mask, other=0.0)
+    if not HAS_TANGENT:  # unused placeholders from here on
+        tq = q
+    if BLOCK_D_REM == 0:
+        q_r = q
+    if BLOCK_D_REM == 0 or not HAS_TANGENT:
+        tq_r = q_r if BLOCK_D_REM > 0 else tq
+    # k, v and their tangents, read every key block: tensor descriptors of one head's rows (TMA), or pointer tiles. *_r:
+    # the remainder chunk's (descriptors BLOCK_D_REM wide read at column BLOCK_D; pointers at its columns)
+    if TMA:
+        k_ptrs = _head(K, off_b, off_h, stride_kb, stride_kh, LKV, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D)
+        v_ptrs = _head(V, off_b, off_h, stride_vb, stride_vh, LKV, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D)
+        if HAS_TANGENT:
+            tk_ptrs = _head(TK, off_b, off_h, stride_tkb, stride_tkh, LKV, stride_tkn, HEAD_DIM, BLOCK_N, BLOCK_D)
+            tv_ptrs = _head(TV, off_b, off_h, stride_tvb, stride_tvh, LKV, stride_tvn, HEAD_DIM, BLOCK_N, BLOCK_D)
+        if BLOCK_D_REM > 0:
+            kr_ptrs = _head(K, off_b, off_h, stride_kb, stride_kh, LKV, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D_REM)
+            vr_ptrs = _head(V, off_b, off_h, stride_vb, stride_vh, LKV, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D_REM)
+            if HAS_TANGENT:
+                tkr_ptrs = _head(TK, off_b, off_h, stride_tkb, stride_tkh, LKV, stride_tkn, HEAD_DIM, BLOCK_N, BLOCK_D_REM)
+                tvr_ptrs = _head(TV, off_b, off_h, stride_tvb, stride_tvh, LKV, stride_tvn, HEAD_DIM, BLOCK_N, BLOCK_D_REM)
+    else:
+        k_ptrs = _rows(K, off_b, off_h, stride_kb, stride_kh) + offs_d[:, None] + offs_n[None, :] * stride_kn
+        v_ptrs = _rows(V, off_b, off_h, stride_vb, stride_vh) + offs_n[:, None] * stride_vn + offs_d[None, :]
+        if HAS_TANGENT:
+            tk_ptrs = _rows(TK, off_b, off_h, stride_tkb, stride_tkh) + offs_d[:, None] + offs_n[None, :] * stride_tkn
+            tv_ptrs = _rows(TV, off_b, off_h, stride_tvb, stride_tvh) + offs_n[:, None] * stride_tvn + offs_d[None, :]
+        if BLOCK_D_REM > 0:
+            kr_ptrs = _rows(K, off_b, off_h, stride_kb, stride_kh) + offs_dr[:, None] + offs_n[None, :] * stride_kn
+            vr_ptrs = _rows(V, off_b, off_h, stride_vb, stride_vh) + offs_n[:, None] * stride_vn + offs_dr[None, :]
+            if HAS_TANGENT:
                 tkr_ptrs = _rows(TK, off_b, off_h, stride_tkb, stride_tkh) + offs_dr[:, None] + offs_n[None, :] * stride_tkn
                 tvr_ptrs = _rows(TV, off_b, off_h, stride_tvb, stride_tvh) + offs_n[:, None] * stride_tvn + offs_dr[None, :]
-                tq_r = tl.load(tqr_ptrs, mask=qr_mask, other=0.0)
-            else:
-                tq_r = q_r
-                tkr_ptrs = kr_ptrs
-                tvr_ptrs = vr_ptrs
-        else:  # unused placeholders
-            q_r = q
-            tq_r = tq
-            kr_ptrs = k_ptrs
-            vr_ptrs = v_ptrs
-            tkr_ptrs = tk_ptrs
-            tvr_ptrs = tv_ptrs
+    if not HAS_TANGENT:  # unused placeholders
+        tk_ptrs = k_ptrs
+        tv_ptrs = v_ptrs
+    if BLOCK_D_REM == 0:
+        kr_ptrs = k_ptrs
+        vr_ptrs = v_ptrs
+    if BLOCK_D_REM == 0 or not HAS_TANGENT:
+        tkr_ptrs = kr_ptrs
+        tvr_ptrs = vr_ptrs
     if HAS_BIAS:
         # (BLOCK_M, 1) row pointers; rows past Lq read row Lq - 1 (never stored), so only keys need load masks
         rows = tl.minimum(offs_m, LQ - 1)[:, None]
