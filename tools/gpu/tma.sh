@@ -7,7 +7,7 @@ left() { echo "[t=$(( $(date +%s) - T0 )) s]"; }
 rest() { echo $(( LIMIT - ($(date +%s) - T0) )); }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python -c "import torch, triton; print(torch.__version__, triton.__version__)"
-timeout 150 python -m pytest -q -m gpu tests/attention/test_tma_gpu.py --tb=short > $OUT/tma_tests.log 2>&1
+timeout $(( LIMIT / 3 )) python -m pytest -q -m gpu tests/attention/test_tma_gpu.py --tb=short > $OUT/tma_tests.log 2>&1
 echo "tma tests rc=$? $(left)" | tee -a $OUT/tma_tests.log; tail -n 20 $OUT/tma_tests.log
 export TRITON_CACHE_DIR=$(mktemp -d)
 ( TRITON_CACHE_DIR=$(mktemp -d) timeout 200 python benchmarks/attention_ptxas.py > $OUT/tma_ptxas.md 2>&1 ) &  # Triton 3.6's registers
