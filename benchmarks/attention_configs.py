@@ -1,12 +1,13 @@
 """Sweep launch configs of the fused JVP kernel at fixed shapes, to choose its tuning candidates.
 
     PYTHONPATH=. python benchmarks/attention_configs.py --head-dims 64 128 --tokens 1024 4096
-    PYTHONPATH=. python benchmarks/attention_configs.py --head-dims 64 72 128 --tokens 256 1024 4096 --candidates --loads pointers tma
+    PYTHONPATH=. python benchmarks/attention_configs.py --head-dims 64 72 128 --tokens 256 1024 4096 --candidates --loads pointers tma tma-host
 
 Prints every config's GPU time (CUDA-graph replay) and TFLOP/s (the JVP forward counted as 3
 forwards) as it is measured, then, per (head dim, tokens), the best eight. bf16, batch x heads = 64 (heads = 16).
-`--loads pointers tma` times every config with both ways of reading the tiles (pointer loads, or tensor descriptors:
-Hopper's TMA, `FLM_ATTENTION_TMA`), and the summary names the better of the two at each config.
+`--loads pointers tma tma-host` times every config with each way of reading the tiles: pointer loads, or tensor
+descriptors (Hopper's TMA, `FLM_ATTENTION_TMA`) that each program builds (`tma`) or the host builds per launch
+(`tma-host`); the summary ranks them together.
 """
 
 import argparse
@@ -17,6 +18,7 @@ import triton
 
 from flm.kernels.attention_fwd import attention_fwd, candidates, split_head_dim
 
+LOADS = {"pointers": False, "tma": "device", "tma-host": "host"}
 BLOCKS = [(128, 128), (128, 64), (128, 32), (128, 16), (64, 64), (64, 32), (64, 128)]
 
 
@@ -28,7 +30,7 @@ def main():
     ap.add_argument("--warps", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--stages", type=int, nargs="+", default=[2, 3, 4])
     ap.add_argument("--candidates", action="store_true", help="the kernel's own candidates per head dim, not the grid above")
-    ap.add_argument("--loads", nargs="+", choices=["pointers", "tma"], default=["pointers"], help="how the kernel reads tiles")
+    ap.add_argument("--loads", nargs="+", choices=list(LOADS), default=["pointers"], help="how the kernel reads tiles")
     args = ap.parse_args()
     a, b = (torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     peak = 2 * 8192**3 / triton.testing.do_bench_cudagraph(lambda: a @ b, rep=50, return_mode="median") / 1e9
@@ -48,7 +50,7 @@ def main():
             else [(bm, bn, w, s) for (bm, bn), w, s in itertools.product(blocks, args.warps, args.stages)]
         )
         for cfg, loads in itertools.product(configs, args.loads):
-            tma = loads == "tma"
+            tma = LOADS[loads]
             fn = lambda: attention_fwd(q, k, v, tq, tk, tv, causal=False, scale=d**-0.5, config=cfg, tma=tma)  # noqa: E731
             try:
                 fn()

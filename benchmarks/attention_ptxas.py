@@ -19,7 +19,9 @@ from triton.compiler import ASTSource
 
 from flm.kernels import attention_fwd as kernels
 
-_POINTERS = {"Q", "K", "V", "TQ", "TK", "TV", "O", "TO", "LSE", "BIAS", "TBIAS", "KPM"}
+_POINTERS = {"Q", "K", "V", "TQ", "TK", "TV", "O", "TO", "LSE", "BIAS", "TBIAS", "KPM", "QR", "KR", "VR", "TQR", "TKR", "TVR"}
+_INPUTS = ["Q", "K", "V", "TQ", "TK", "TV"]  # and their remainder's QR ... TVR: descriptors when the host builds them
+LOADS = {"pointers": 0, "tma": 1, "tma-host": 2}
 _BIAS_STRIDES = {"stride_bb", "stride_bh", "stride_bm", "stride_bn", "stride_tbb", "stride_tbh", "stride_tbm", "stride_tbn"}
 
 
@@ -27,7 +29,7 @@ def _ptxas() -> str:
     return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas")
 
 
-def compile_report(d: int, config: tuple[int, int, int, int], tma: bool) -> dict:
+def compile_report(d: int, config: tuple[int, int, int, int], tma: int) -> dict:
     """{'smem_kib', 'registers', 'spill_bytes'} of the forward at head dim d and this (BLOCK_M, BLOCK_N, warps, stages)."""
     fn = kernels._fwd_kernel
     names = fn.arg_names
@@ -51,11 +53,16 @@ def compile_report(d: int, config: tuple[int, int, int, int], tma: bool) -> dict
     for n in names:
         if n in constexprs:
             signature[n] = "constexpr"
+        elif tma == 2 and n.rstrip("R") in _INPUTS and (n in _INPUTS or block_d_rem):
+            rows = bm if n.startswith(("Q", "TQ")) else bn
+            signature[n] = f"tensordesc<bf16[1, 1, {rows}, {block_d_rem if n.endswith('R') else block_d}]>"
         elif n in _POINTERS:
             signature[n] = "*fp32" if n == "LSE" else "*bf16"
         else:
             signature[n] = "fp32" if n == "scale" else "i32"
-    multiple_of_16 = [i for i, n in enumerate(names) if n in _POINTERS or n in ("LQ", "LKV")]
+    multiple_of_16 = [
+        i for i, n in enumerate(names) if n in ("LQ", "LKV") or (n in _POINTERS and "tensordesc" not in signature[n])
+    ]
     multiple_of_16 += [i for i, n in enumerate(names) if n.startswith("stride") and n not in _BIAS_STRIDES]
     src = ASTSource(
         fn=fn,
@@ -79,7 +86,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 72, 128])
     ap.add_argument("--configs", nargs="+", help="BLOCK_MxBLOCK_NxWARPSxSTAGES, e.g. 128x64x8x3")
-    ap.add_argument("--loads", nargs="+", choices=["pointers", "tma"], default=["pointers", "tma"])
+    ap.add_argument("--loads", nargs="+", choices=list(LOADS), default=list(LOADS))
     args = ap.parse_args()
     print(f"Triton {triton.__version__}, sm_90a, bf16, tangents on\n")
     print(
@@ -99,7 +106,7 @@ def main():
             cells = []
             for loads in args.loads:
                 try:
-                    r = compile_report(d, config, loads == "tma")
+                    r = compile_report(d, config, LOADS[loads])
                     cells.append(f"{r['smem_kib']:.0f} / {r['registers']} / {r['spill_bytes']}")
                 except Exception as e:  # a config that does not compile is a row too
                     cells.append(type(e).__name__)

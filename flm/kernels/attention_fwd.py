@@ -29,6 +29,8 @@ the tangent accumulator keep one tile per chunk. With BLOCK_D_REM = 0 (a power o
 single-chunk one it was before the split; the main chunk's loads carry no head-dim mask either way.
 """
 
+import dataclasses
+import functools
 import os
 
 import torch
@@ -76,20 +78,31 @@ def _head(
 
 
 @triton.jit
-def _key_block_t(src, start_n, col, mask, pad, TMA: tl.constexpr):
+def _block(src, off_b, off_h, row, col, TMA: tl.constexpr):
+    """The block at (row, col) of head (off_b, off_h): from its own 2-D descriptor (TMA 1), or from a 4-D descriptor of
+    the whole (batch, heads, tokens, head dim) tensor (TMA 2), whose block's two leading dims are 1."""
+    if TMA == 2:
+        x = src.load([off_b.to(tl.int32), off_h.to(tl.int32), row, col])  # the kernel holds them as int64
+        return x.reshape(x.shape[2], x.shape[3])
+    else:
+        return src.load([row, col])
+
+
+@triton.jit
+def _key_block_t(src, off_b, off_h, start_n, col, mask, pad, TMA: tl.constexpr):
     """K^T's (head-dim chunk, BLOCK_N) block at key start_n: from a descriptor at column col (read as keys x
     head dim, transposed in shared memory for the dot), or from pointers already at the block."""
     if TMA:
-        return tl.trans(src.load([start_n, col]))
+        return tl.trans(_block(src, off_b, off_h, start_n, col, TMA))
     else:
         return tl.load(src, mask=mask, other=pad)
 
 
 @triton.jit
-def _value_block(src, start_n, col, mask, pad, TMA: tl.constexpr):
+def _value_block(src, off_b, off_h, start_n, col, mask, pad, TMA: tl.constexpr):
     """V's (BLOCK_N, head-dim chunk) block at key start_n, as _key_block_t reads K's."""
     if TMA:
-        return src.load([start_n, col])
+        return _block(src, off_b, off_h, start_n, col, TMA)
     else:
         return tl.load(src, mask=mask, other=pad)
 
@@ -126,6 +139,8 @@ def _fwd_inner(
     kpm_ptrs,
     offs_m,
     offs_n,
+    off_b,
+    off_h,
     lo,
     hi,
     LKV,
@@ -146,8 +161,8 @@ def _fwd_inner(
 ):
     """Accumulate key blocks [lo, hi). MASK: the range holds the ragged end or the causal diagonal.
     The *_r names are the head dim's remainder chunk (used only when BLOCK_D_REM > 0). With TMA the *_ptrs
-    are tensor descriptors of one head's (tokens, head dim) rows, which read keys past the end and columns
-    past the head dim as 0 by themselves."""
+    are tensor descriptors (of one head's (tokens, head dim) rows, TMA 1, or of the whole tensor, TMA 2), which read
+    keys past the end and columns past the head dim as 0 by themselves."""
     if not TMA:
         k_ptrs += lo * stride_kn
         v_ptrs += lo * stride_vn
@@ -176,10 +191,10 @@ def _fwd_inner(
             d_ok = BLOCK_D + tl.arange(0, BLOCK_D_REM) < HEAD_DIM
             ktr_mask = d_ok[:, None] & kt_mask if MASK else d_ok[:, None]
             vr_mask = d_ok[None, :] & v_mask if MASK else d_ok[None, :]
-        kt = _key_block_t(k_ptrs, start_n, 0, kt_mask, pad, TMA)
+        kt = _key_block_t(k_ptrs, off_b, off_h, start_n, 0, kt_mask, pad, TMA)
         s = tl.dot(q, kt, input_precision=PRECISION)
         if BLOCK_D_REM > 0:
-            kt_r = _key_block_t(kr_ptrs, start_n, BLOCK_D, ktr_mask, 0.0, TMA)
+            kt_r = _key_block_t(kr_ptrs, off_b, off_h, start_n, BLOCK_D, ktr_mask, 0.0, TMA)
             s = tl.dot(q_r, kt_r, s, input_precision=PRECISION)
         s = s * qk_scale  # log2 units
         if HAS_BIAS:
@@ -202,17 +217,17 @@ def _fwd_inner(
         p = tl.math.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        v = _value_block(v_ptrs, start_n, 0, v_mask, pad, TMA)
+        v = _value_block(v_ptrs, off_b, off_h, start_n, 0, v_mask, pad, TMA)
         p_in = p.to(v.dtype)
         if BLOCK_D_REM > 0:
             acc_r = acc_r * alpha[:, None]
-            v_r = _value_block(vr_ptrs, start_n, BLOCK_D, vr_mask, 0.0, TMA)
+            v_r = _value_block(vr_ptrs, off_b, off_h, start_n, BLOCK_D, vr_mask, 0.0, TMA)
         if HAS_TANGENT:
-            tkt = _key_block_t(tk_ptrs, start_n, 0, kt_mask, pad, TMA)
+            tkt = _key_block_t(tk_ptrs, off_b, off_h, start_n, 0, kt_mask, pad, TMA)
             ts = tl.dot(tq, kt, input_precision=PRECISION)
             ts = tl.dot(q, tkt, ts, input_precision=PRECISION)
             if BLOCK_D_REM > 0:
-                tkt_r = _key_block_t(tkr_ptrs, start_n, BLOCK_D, ktr_mask, 0.0, TMA)
+                tkt_r = _key_block_t(tkr_ptrs, off_b, off_h, start_n, BLOCK_D, ktr_mask, 0.0, TMA)
                 ts = tl.dot(tq_r, kt_r, ts, input_precision=PRECISION)
                 ts = tl.dot(q_r, tkt_r, ts, input_precision=PRECISION)
             ts = ts * scale
@@ -221,7 +236,7 @@ def _fwd_inner(
             h = p * ts
             r_i = r_i * alpha + tl.sum(h, 1)
             acc_t = acc_t * alpha[:, None]
-            tv = _value_block(tv_ptrs, start_n, 0, v_mask, pad, TMA)
+            tv = _value_block(tv_ptrs, off_b, off_h, start_n, 0, v_mask, pad, TMA)
             acc_t = tl.dot(p_in, tv, acc_t, input_precision=PRECISION)
             acc_t = tl.dot(h.to(v.dtype), v, acc_t, input_precision=PRECISION)
             if not TMA:
@@ -229,7 +244,7 @@ def _fwd_inner(
                 tv_ptrs += BLOCK_N * stride_tvn
             if BLOCK_D_REM > 0:
                 acc_t_r = acc_t_r * alpha[:, None]
-                tv_r = _value_block(tvr_ptrs, start_n, BLOCK_D, vr_mask, 0.0, TMA)
+                tv_r = _value_block(tvr_ptrs, off_b, off_h, start_n, BLOCK_D, vr_mask, 0.0, TMA)
                 acc_t_r = tl.dot(p_in, tv_r, acc_t_r, input_precision=PRECISION)
                 acc_t_r = tl.dot(h.to(v.dtype), v_r, acc_t_r, input_precision=PRECISION)
                 if not TMA:
@@ -262,6 +277,12 @@ def _fwd_kernel(
     BIAS,
     TBIAS,
     KPM,
+    QR,
+    KR,
+    VR,
+    TQR,
+    TKR,
+    TVR,
     stride_qb,
     stride_qh,
     stride_qm,  # head dim has unit stride (the wrapper ensures it)
@@ -308,7 +329,8 @@ def _fwd_kernel(
     HAS_MASK: tl.constexpr,
     CAUSAL: tl.constexpr,
     PRECISION: tl.constexpr,
-    TMA: tl.constexpr,  # read q, k, v and the tangents through tensor descriptors (Hopper's TMA; no bias or mask)
+    TMA: tl.constexpr,  # q, k, v and the tangents read through tensor descriptors (Hopper's TMA; no bias or mask): 0 no,
+    # 1 each program builds its head's, 2 the host built them (Q ... TV and the remainder's QR ... TVR are descriptors)
 ):
     start_m = tl.program_id(0)
     off_bh = tl.program_id(1)
@@ -337,7 +359,16 @@ def _fwd_kernel(
     if BLOCK_D_REM > 0:
         offs_dr = BLOCK_D + tl.arange(0, BLOCK_D_REM)
         qr_mask = q_mask & (offs_dr[None, :] < HEAD_DIM)
-    if TMA:
+    if TMA == 2:  # the host built descriptors of the whole tensors; they come in the pointers' places (*R: the remainder's)
+        rows_m = start_m * BLOCK_M
+        q = _block(Q, off_b, off_h, rows_m, 0, TMA)
+        if HAS_TANGENT:
+            tq = _block(TQ, off_b, off_h, rows_m, 0, TMA)
+        if BLOCK_D_REM > 0:
+            q_r = _block(QR, off_b, off_h, rows_m, BLOCK_D, TMA)
+            if HAS_TANGENT:
+                tq_r = _block(TQR, off_b, off_h, rows_m, BLOCK_D, TMA)
+    elif TMA == 1:  # each program builds its head's descriptors
         rows_m = start_m * BLOCK_M
         q = _head(Q, off_b, off_h, stride_qb, stride_qh, LQ, stride_qm, HEAD_DIM, BLOCK_M, BLOCK_D).load([rows_m, 0])
         if HAS_TANGENT:
@@ -368,7 +399,19 @@ def _fwd_kernel(
         tq_r = q_r if BLOCK_D_REM > 0 else tq
     # k, v and their tangents, read every key block: tensor descriptors of one head's rows (TMA), or pointer tiles. *_r:
     # the remainder chunk's (descriptors BLOCK_D_REM wide read at column BLOCK_D; pointers at its columns)
-    if TMA:
+    if TMA == 2:
+        k_ptrs = K
+        v_ptrs = V
+        if HAS_TANGENT:
+            tk_ptrs = TK
+            tv_ptrs = TV
+        if BLOCK_D_REM > 0:
+            kr_ptrs = KR
+            vr_ptrs = VR
+            if HAS_TANGENT:
+                tkr_ptrs = TKR
+                tvr_ptrs = TVR
+    elif TMA == 1:
         k_ptrs = _head(K, off_b, off_h, stride_kb, stride_kh, LKV, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D)
         v_ptrs = _head(V, off_b, off_h, stride_vb, stride_vh, LKV, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D)
         if HAS_TANGENT:
@@ -462,6 +505,8 @@ def _fwd_kernel(
         kpm_ptrs,
         offs_m,
         offs_n,
+        off_b,
+        off_h,
         0,
         full_hi,
         LKV,
@@ -511,6 +556,8 @@ def _fwd_kernel(
         kpm_ptrs,
         offs_m,
         offs_n,
+        off_b,
+        off_h,
         full_hi,
         tail_hi,
         LKV,
@@ -645,16 +692,24 @@ def first_that_fits(launch, configs):
     raise ValueError("no launch configuration to try")
 
 
-def tma_wanted() -> bool:
-    """FLM_ATTENTION_TMA=1 (or true, on, yes): the forward reads its tiles through tensor descriptors (Hopper's TMA) where
-    they fit. Off by default: on an H200 it beat the pointer loads only at head dim 128 from 4096 tokens (1.07x), and lost
-    up to 0.60x at 256 tokens, where each program's descriptor setup is a large share (docs/attention.md)."""
+def tma_wanted() -> int:
+    """FLM_ATTENTION_TMA: 0 (or false, off, no; the default) pointer loads; 1 (or true, on, yes, device) the forward reads its
+    tiles through tensor descriptors (Hopper's TMA) that each program builds for its head; host: descriptors of the
+    whole tensors, built once per launch on the host (untuned: the first launch candidate that fits, unless a config is
+    given). Off by default: on an H200 the device-built ones beat the pointer loads only at head dim 128 from 4096
+    tokens (1.07x), and lost up to 0.60x at 256 tokens, where each program's descriptor setup is a large share
+    (docs/attention.md)."""
     value = os.environ.get("FLM_ATTENTION_TMA", "0").strip().lower()
-    if value in ("1", "true", "on", "yes"):
-        return True
-    if value in ("0", "false", "off", "no", ""):
-        return False
-    raise ValueError(f"FLM_ATTENTION_TMA={value!r}: set 1 (tensor descriptors where they fit) or 0 (pointer loads, the default)")
+    mode = _TMA_MODES.get(value)
+    if mode is None:
+        raise ValueError(
+            f"FLM_ATTENTION_TMA={value!r}: set 0 (pointer loads, the default), 1 (descriptors each program builds) or host "
+            "(descriptors built on the host)"
+        )
+    return mode
+
+
+_TMA_MODES = {"0": 0, "false": 0, "off": 0, "no": 0, "": 0, "1": 1, "true": 1, "on": 1, "yes": 1, "device": 1, "host": 2}
 
 
 def tma_fits(tensors, has_bias: bool, has_mask: bool) -> bool:
@@ -677,6 +732,48 @@ def _hopper_or_later(device: torch.device) -> bool:
     if known is None:
         known = _HOPPER[device] = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
     return known
+
+
+def _descriptor(x: torch.Tensor, rows: int, cols: int):
+    """A 4-D tensor descriptor of x (B, H, L, D) read in (1, 1, rows, cols) blocks. A dim of size 1 gets a stride of 16
+    elements: it is never stepped, and the copy engine wants every stride a multiple of 16 bytes. Made without
+    TensorDescriptor's own checks (~4 us each on a slow CPU, and a launch makes up to twelve): `tma_fits` and
+    `_prepare` have checked the base's alignment and the strides."""
+    fields = dict(_descriptor_defaults())
+    fields.update(
+        base=x,
+        shape=list(x.shape),
+        strides=[st if n > 1 else 16 for st, n in zip(x.stride()[:3], x.shape[:3])] + [1],
+        block_shape=[1, 1, rows, cols],
+    )
+    d = object.__new__(_tensor_descriptor())
+    d.__dict__.update(fields)
+    return d
+
+
+@functools.cache
+def _tensor_descriptor():
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor
+
+
+@functools.cache
+def _descriptor_defaults() -> tuple:
+    """TensorDescriptor's fields that have defaults (padding, ...: they vary across Triton versions), as (name, value)."""
+    return tuple((f.name, f.default) for f in dataclasses.fields(_tensor_descriptor()) if f.default is not dataclasses.MISSING)
+
+
+def _with_descriptors(args: list, bm: int, bn: int, block_d: int, block_d_rem: int) -> list:
+    """The launch's arguments with q, k, v, tq, tk, tv (args 0-5) and the remainder's slots (12-17, QR ... TVR in the
+    same order) as descriptors."""
+    out = list(args)
+    for i, x in enumerate(args[:6]):
+        rows = bm if i in (0, 3) else bn
+        out[i] = _descriptor(x, rows, block_d)
+        if block_d_rem:
+            out[12 + i] = _descriptor(x, rows, block_d_rem)
+    return out
 
 
 def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
@@ -756,13 +853,14 @@ def attention_fwd(
     bias=None,
     bias_tangent=None,
     key_padding_mask=None,
-    tma: bool | None = None,
+    tma: bool | str | None = None,
 ):
     """(o, to, lse) for q (B, H, Lq, D), k/v (B, H, Lkv, D); to is None without tangents.
 
     Inputs are assumed checked (flm.attention.inputs); lse is (B, H, Lq) fp32 in natural log.
     config = (BLOCK_M, BLOCK_N, num_warps, num_stages) skips tuning (benchmarks/attention_configs.py).
-    tma: read the tiles through tensor descriptors (None: FLM_ATTENTION_TMA decides); off where they do not fit.
+    tma: read the tiles through tensor descriptors: True or "device" (each program builds its head's), "host" (built
+    here), False (pointer loads); None: FLM_ATTENTION_TMA decides. Off where they do not fit.
     bias (and bias_tangent, used only with tangents): 4 dims broadcastable to (B, H, Lq, Lkv), any
     strides; key_padding_mask: bool (B, Lkv), True = attend.
     """
@@ -783,9 +881,9 @@ def attention_fwd(
     o = torch.empty((b, h, lq, width), dtype=q.dtype, device=q.device)
     to = torch.empty_like(o) if has_tangent else o
     lse = torch.empty((b, h, lq), dtype=torch.float32, device=q.device)
-    if tma is None:
-        tma = tma_wanted()
-    tma = tma and tma_fits((q, k, v, tq, tk, tv), has_bias, has_mask)
+    tma = tma_wanted() if tma is None else _TMA_MODES[str(tma).lower()]
+    if tma and not tma_fits((q, k, v, tq, tk, tv), has_bias, has_mask):
+        tma = 0
     # broadcast dims read with stride 0; absent inputs pass q and zero strides (the kernel ignores them)
     bias = bias.expand(b, h, lq, lkv) if has_bias else q
     tbias = bias_tangent.expand(b, h, lq, lkv) if has_bias_tangent else q
@@ -803,6 +901,7 @@ def attention_fwd(
         bias,
         tbias,
         kpm,
+        *(q,) * 6,  # the remainder's descriptors (host-built TMA only; unused otherwise)
         *(st for x in (q, k, v, tq, tk, tv, o) for st in x.stride()[:3]),
         *(bias.stride() if has_bias else (0, 0, 0, 0)),
         *(tbias.stride() if has_bias_tangent else (0, 0, 0, 0)),
@@ -828,7 +927,7 @@ def attention_fwd(
     interpreter = interpreted()
     if interpreter:
         config = (16, 16, 4, 1)
-    elif tma:
+    elif tma == 1:
         _ensure_allocator()
     tune_key = None
     if config is None:  # the autotuner's key (its key names and the inputs' dtypes)
@@ -838,14 +937,15 @@ def attention_fwd(
     def launch(config):
         bm, bn, warps, stages = config
         grid = (-(-lq // bm), b * h)
+        run_args = _with_descriptors(args, bm, bn, block_d, block_d_rem) if tma == 2 else args
         if interpreter:
-            _fwd_kernel[grid](*args, **meta, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
+            _fwd_kernel[grid](*run_args, **meta, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
         else:
-            _fwd_launch(grid, args, {**meta, "BLOCK_M": bm, "BLOCK_N": bn}, warps, stages)
+            _fwd_launch(grid, run_args, {**meta, "BLOCK_M": bm, "BLOCK_N": bn}, warps, stages)
 
     if config is not None:
         launch(config)
-    elif not autotuning():
+    elif not autotuning() or tma == 2:  # Triton's autotuner cannot rebuild the host's descriptors per config
         _TUNED[tune_key] = first_that_fits(launch, candidates(block_d + block_d_rem, has_bias or has_mask))
     else:
         grid = lambda cfg: (triton.cdiv(lq, cfg["BLOCK_M"]), b * h)  # noqa: E731

@@ -17,12 +17,17 @@ try:
     from triton import knobs
 except ImportError:  # Triton < 3.4: always the ordinary path
     knobs = None
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # Triton < 3.4: no host-built descriptors
+    TensorDescriptor = None
 
 
 def specialization(args) -> tuple:
     """What Triton compiles a kernel for, per runtime argument: a tensor's dtype and 16-byte alignment, an int's type
-    (i32, i64 or u64) and its being 1 or a multiple of 16; floats are not specialised. Written for speed (~8 us for the
-    forward's 50 arguments on the CPU, against ~18 for the plain form): it runs on every launch."""
+    (i32, i64 or u64) and its being 1 or a multiple of 16, a tensor descriptor's dtype and block shape; floats are not
+    specialised. Written for speed (~8 us for the forward's 50 arguments on the CPU, against ~18 for the plain form): it
+    runs on every launch."""
     key = []
     put = key.append
     for a in args:
@@ -36,6 +41,8 @@ def specialization(args) -> tuple:
             put(0)
         elif kind is bool:
             put((bool, a))
+        elif kind is TensorDescriptor:  # compiled for its dtype and block shape
+            put((kind, a.base.dtype, tuple(a.block_shape)))
         else:  # a tensor
             put((a.dtype, a.data_ptr() & 15 == 0))
     return tuple(key)

@@ -143,3 +143,15 @@ def test_untuned_keys_take_the_first_candidate_that_fits(monkeypatch):
     monkeypatch.setenv("FLM_ATTENTION_AUTOTUNE", "sometimes")
     with pytest.raises(ValueError, match="FLM_ATTENTION_AUTOTUNE='sometimes': set 1"):
         kernels.autotuning()
+
+
+def test_tensor_descriptors_are_keyed_by_dtype_and_block_shape():
+    """A host-built descriptor (FLM_ATTENTION_TMA=host) compiles per dtype and block shape, not per tensor or layout."""
+    if launch.TensorDescriptor is None:
+        pytest.skip("this Triton has no host-built tensor descriptors")
+    make = lambda x, block: launch.TensorDescriptor(x, list(x.shape), list(x.stride()), block)  # noqa: E731
+    x, y = torch.zeros(2, 3, 64, 32), torch.zeros(2, 64, 3, 32).transpose(1, 2)
+    key = launch.specialization([make(x, [1, 1, 16, 32])])
+    assert launch.specialization([make(y, [1, 1, 16, 32])]) == key
+    assert launch.specialization([make(x, [1, 1, 32, 32])]) != key
+    assert launch.specialization([make(x.half(), [1, 1, 16, 32])]) != key

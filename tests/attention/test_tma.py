@@ -23,7 +23,7 @@ SHAPES = [
 
 @pytest.fixture
 def launched(monkeypatch):
-    """The TMA flag of every launch of the kernel."""
+    """The TMA mode of every launch of the kernel (0 pointers, 1 device-built descriptors, 2 host-built)."""
     flags = []
     kernel = kernels._fwd_kernel
 
@@ -46,32 +46,39 @@ def _inputs(b, h, lq, lkv, d, dtype, seed=0):
     return q, k, v, tq, tk, tv
 
 
+MODES = {"device": 1, "host": 2}
+
+
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("shape", SHAPES, ids=[f"d{s[4]}-{s[2]}x{s[3]}" + ("-causal" if s[5] else "") for s in SHAPES])
-def test_tma_loads_give_the_jvp_and_the_pointer_loads_outputs(shape, dtype, launched):
+def test_tma_loads_give_the_jvp_and_the_pointer_loads_outputs(shape, dtype, mode, launched):
     *dims, causal = shape
     q, k, v, tq, tk, tv = _inputs(*dims, dtype)
     scale = dims[-1] ** -0.5
-    o, to, lse = kernels.attention_fwd(q, k, v, tq, tk, tv, causal=causal, scale=scale, tma=True)
+    o, to, lse = kernels.attention_fwd(q, k, v, tq, tk, tv, causal=causal, scale=scale, tma=mode)
     o_ref, to_ref = jvp64(q, k, v, tq, tk, tv, causal=causal)
     assert rel_err(o, o_ref) < TOL[dtype] and rel_err(to, to_ref) < TOL[dtype]
     po, pto, plse = kernels.attention_fwd(q, k, v, tq, tk, tv, causal=causal, scale=scale, tma=False)
     assert rel_err(o, po) < TOL[dtype] and rel_err(to, pto) < TOL[dtype]
     assert torch.allclose(lse, plse, rtol=1e-5, atol=1e-5)
-    o_plain, none, _ = kernels.attention_fwd(q, k, v, causal=causal, scale=scale, tma=True)  # no tangents
+    o_plain, none, _ = kernels.attention_fwd(q, k, v, causal=causal, scale=scale, tma=mode)  # no tangents
     assert none is None and rel_err(o_plain, o_ref) < TOL[dtype]
-    assert launched == [True, False, True]
+    assert launched == [MODES[mode], 0, MODES[mode]]
 
 
-def test_tma_reads_the_dits_head_views_in_place(launched):
-    """q, k, v as the DiT makes them: (B, L, H, D) storage viewed as (B, H, L, D)."""
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("b", [2, 1])
+def test_tma_reads_the_dits_head_views_in_place(mode, b, launched):
+    """q, k, v as the DiT makes them: (B, L, H, D) storage viewed as (B, H, L, D); batch 1 as well (a size-1 dim's
+    stride need not be a multiple of 16 bytes, and the host's descriptor replaces it)."""
     g = torch.Generator().manual_seed(1)
-    b, n, h, d = 2, 29, 3, 72
+    n, h, d = 29, 3, 72
     q, k, v, tq, tk, tv = (randn(b, n, h, d, generator=g).transpose(1, 2) for _ in range(6))
-    o, to, _ = kernels.attention_fwd(q, k, v, tq, tk, tv, causal=False, scale=d**-0.5, tma=True)
+    o, to, _ = kernels.attention_fwd(q, k, v, tq, tk, tv, causal=False, scale=d**-0.5, tma=mode)
     o_ref, to_ref = jvp64(q, k, v, tq, tk, tv)
     assert rel_err(o, o_ref) < TOL[torch.float32] and rel_err(to, to_ref) < TOL[torch.float32]
-    assert launched == [True]
+    assert launched == [MODES[mode]]
 
 
 def test_tma_is_not_used_with_a_bias_a_mask_or_a_misaligned_input(launched):
@@ -79,20 +86,20 @@ def test_tma_is_not_used_with_a_bias_a_mask_or_a_misaligned_input(launched):
     bias = torch.randn(1, 2, 24, 24)
     mask = torch.ones(1, 24, dtype=torch.bool)
     kernels.attention_fwd(q, k, v, causal=False, scale=0.2, bias=bias, tma=True)
-    kernels.attention_fwd(q, k, v, causal=False, scale=0.2, key_padding_mask=mask, tma=True)
+    kernels.attention_fwd(q, k, v, causal=False, scale=0.2, key_padding_mask=mask, tma="host")
     shifted = torch.randn(1 * 2 * 24 * 32 + 1)[1:].view(1, 2, 24, 32)  # 4 bytes past a 16-byte boundary
     assert shifted.data_ptr() % 16 != 0
     kernels.attention_fwd(shifted, k, v, causal=False, scale=0.2, tma=True)
-    assert launched == [False, False, False]
+    assert launched == [0, 0, 0]
     assert not kernels.tma_fits((shifted, k, v), False, False) and kernels.tma_fits((q, k, v), False, False)
 
 
 def test_flm_attention_tma_decides_the_default(monkeypatch, launched):
     q, k, v, *_ = _inputs(1, 1, 16, 16, 16, torch.float32)
-    for value, flag in (("1", True), ("0", False), ("", False), ("on", True)):
+    for value, mode in (("1", 1), ("0", 0), ("", 0), ("on", 1), ("host", 2), ("device", 1)):
         monkeypatch.setenv("FLM_ATTENTION_TMA", value)
         kernels.attention_fwd(q, k, v, causal=False, scale=0.25)
-        assert launched[-1] is flag
+        assert launched[-1] == mode
     monkeypatch.setenv("FLM_ATTENTION_TMA", "sometimes")
-    with pytest.raises(ValueError, match="FLM_ATTENTION_TMA='sometimes': set 1"):
+    with pytest.raises(ValueError, match="FLM_ATTENTION_TMA='sometimes': set 0"):
         kernels.attention_fwd(q, k, v, causal=False, scale=0.25)

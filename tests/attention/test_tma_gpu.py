@@ -1,6 +1,7 @@
-"""The fused forward's tensor-descriptor loads (Hopper's TMA, `FLM_ATTENTION_TMA=1`) at real sizes on a GPU of compute
-capability 9 or more: bf16 and fp16 against float64 math and against the pointer loads, every launch candidate, the
-DiT's head views, and a CUDA graph (the descriptors' scratch memory is allocated at each launch).
+"""The fused forward's tensor-descriptor loads (Hopper's TMA, `FLM_ATTENTION_TMA=1` or `host`) at real sizes on a GPU of
+compute capability 9 or more, both kinds (built by each program, or by the host per launch): bf16 and fp16 against
+float64 math and against the pointer loads, every launch candidate, the DiT's head views, and a CUDA graph (the
+device-built descriptors' scratch memory is allocated at each launch, the host-built ones are kernel arguments).
 
 Run on a CUDA machine: pytest -m gpu tests/attention/test_tma_gpu.py
 """
@@ -36,31 +37,36 @@ def _qkv(b, h, lq, lkv, d, dtype, seed=0):
     return mk(lq), mk(lkv), mk(lkv), mk(lq), mk(lkv), mk(lkv)
 
 
+MODES = ["device", "host"]
+
+
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", SHAPES, ids=[f"d{s[4]}-{s[2]}x{s[3]}" + ("-causal" if s[5] else "") for s in SHAPES])
-def test_tma_forward_real_sizes(shape, dtype):
+def test_tma_forward_real_sizes(shape, dtype, mode):
     *dims, causal = shape
     q, k, v, tq, tk, tv = _qkv(*dims, dtype)
     scale = dims[-1] ** -0.5
-    o, to, lse = kernels.attention_fwd(q, k, v, tq, tk, tv, causal=causal, scale=scale, tma=True)
+    o, to, lse = kernels.attention_fwd(q, k, v, tq, tk, tv, causal=causal, scale=scale, tma=mode)
     o_ref, to_ref = jvp64(q, k, v, tq, tk, tv, causal=causal)
     assert rel_err(o, o_ref) < TOL[dtype] and rel_err(to, to_ref) < TOL[dtype]
     po, pto, plse = kernels.attention_fwd(q, k, v, tq, tk, tv, causal=causal, scale=scale, tma=False)
     assert rel_err(o, po) < TOL[dtype] / 4 and rel_err(to, pto) < TOL[dtype] / 4
     assert torch.allclose(lse, plse, rtol=1e-3, atol=1e-3)
-    o_plain, _, _ = kernels.attention_fwd(q, k, v, causal=causal, scale=scale, tma=True)
+    o_plain, _, _ = kernels.attention_fwd(q, k, v, causal=causal, scale=scale, tma=mode)
     assert rel_err(o_plain, o_ref) < TOL[dtype]
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("d", [64, 72, 96, 128])
-def test_every_candidate_config_reads_through_tma(d):
+def test_every_candidate_config_reads_through_tma(d, mode):
     block_d, block_d_rem = kernels.split_head_dim(d)
     q, k, v, tq, tk, tv = _qkv(2, 2, 333, 333, d, torch.bfloat16, seed=3)
     o_ref, to_ref = jvp64(q, k, v, tq, tk, tv)
     ran = 0
     for config in kernels.candidates(block_d + block_d_rem, False):
         try:
-            o, to, _ = kernels.attention_fwd(q, k, v, tq, tk, tv, causal=False, scale=d**-0.5, config=config, tma=True)
+            o, to, _ = kernels.attention_fwd(q, k, v, tq, tk, tv, causal=False, scale=d**-0.5, config=config, tma=mode)
         except kernels._UNFIT:
             continue
         ran += 1
@@ -69,12 +75,13 @@ def test_every_candidate_config_reads_through_tma(d):
     assert ran > 0
 
 
-def test_tma_reads_the_dits_head_views_and_replays_in_a_cuda_graph():
+@pytest.mark.parametrize("mode", MODES)
+def test_tma_reads_the_dits_head_views_and_replays_in_a_cuda_graph(mode):
     b, n, h, d = 16, 196, 6, 72
     g = torch.Generator(device="cuda").manual_seed(4)
     views = (torch.randn(b, n, h, d, device="cuda", generator=g, dtype=torch.bfloat16).transpose(1, 2) for _ in range(6))
     q, k, v, tq, tk, tv = views
-    run = lambda: kernels.attention_fwd(q, k, v, tq, tk, tv, causal=False, scale=d**-0.5, tma=True)  # noqa: E731
+    run = lambda: kernels.attention_fwd(q, k, v, tq, tk, tv, causal=False, scale=d**-0.5, tma=mode)  # noqa: E731
     eager = run()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

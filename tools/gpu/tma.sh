@@ -1,5 +1,6 @@
-# The tensor-descriptor (TMA) forward on a GPU, alone on it (timings): its gpu tests; every launch candidate with pointer
-# loads and with TMA at issue 15's shapes; then a wider grid with TMA alone (the registers it frees: at 128 x 64 x 8 warps
+# The tensor-descriptor (TMA) forward on a GPU, alone on it (timings): every launch candidate with pointer
+# loads and with both kinds of descriptors (built by each program, or by the host) at issue 15's shapes; its gpu tests; then a wider
+# grid with the descriptors alone (the registers it frees: at 128 x 64 x 8 warps
 # ptxas gives 189-196 registers and no spill against 236-255 and spills for the pointer loads, sm_90a, Triton 3.8).
 #   LIMIT=SECONDS bash tools/gpu/tma.sh   (no carry needed)
 set -u; cd "$(dirname "$0")/../.."; LIMIT=${LIMIT:-590}; export PYTHONPATH=$PWD T0=$(date +%s)
@@ -7,14 +8,14 @@ left() { echo "[t=$(( $(date +%s) - T0 )) s]"; }
 rest() { echo $(( LIMIT - ($(date +%s) - T0) )); }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python -c "import torch, triton; print(torch.__version__, triton.__version__)"
-timeout $(( LIMIT / 3 )) python -m pytest -q -m gpu tests/attention/test_tma_gpu.py --tb=short > $OUT/tma_tests.log 2>&1
-echo "tma tests rc=$? $(left)" | tee -a $OUT/tma_tests.log; tail -n 20 $OUT/tma_tests.log
 export TRITON_CACHE_DIR=$(mktemp -d)
 ( TRITON_CACHE_DIR=$(mktemp -d) timeout 200 python benchmarks/attention_ptxas.py > $OUT/tma_ptxas.md 2>&1 ) &  # Triton 3.6's registers
 cfg() { timeout $(( $(rest) - 10 )) python benchmarks/attention_configs.py "$@"; echo "rc=$? $(left)"; }
-cfg --head-dims 64 72 128 --tokens 256 1024 4096 --candidates --loads pointers tma > $OUT/tma_candidates.log 2>&1
-cfg --head-dims 72 128 64 --tokens 4096 1024 256 --blocks 128x128 128x64 128x32 64x64 --warps 8 --stages 2 3 4 --loads tma \
+cfg --head-dims 64 72 128 --tokens 256 1024 4096 --candidates --loads pointers tma tma-host > $OUT/tma_candidates.log 2>&1
+timeout $(( LIMIT / 3 )) python -m pytest -q -m gpu tests/attention/test_tma_gpu.py --tb=short > $OUT/tma_tests.log 2>&1
+echo "tma tests rc=$? $(left)" | tee -a $OUT/tma_tests.log; tail -n 20 $OUT/tma_tests.log
+cfg --head-dims 72 128 64 --tokens 4096 1024 256 --blocks 128x128 128x64 128x32 64x64 --warps 8 --stages 2 3 4 --loads tma-host tma \
   > $OUT/tma_grid.log 2>&1
-cfg --head-dims 64 72 128 --tokens 256 1024 --blocks 64x64 64x32 --warps 4 --stages 2 3 --loads tma > $OUT/tma_grid4.log 2>&1
+cfg --head-dims 64 72 128 --tokens 256 1024 --blocks 64x64 64x32 --warps 4 --stages 2 3 --loads tma-host tma > $OUT/tma_grid4.log 2>&1
 wait; cat $OUT/tma_ptxas.md
 for f in $OUT/tma_candidates.log $OUT/tma_grid.log $OUT/tma_grid4.log; do echo "== $f"; grep -A4 "best first" $f; tail -n 1 $f; done
