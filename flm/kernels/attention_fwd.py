@@ -709,7 +709,7 @@ def tma_wanted() -> int:
     return mode
 
 
-_TMA_MODES = {"0": 0, "false": 0, "off": 0, "no": 0, "": 0, "1": 1, "true": 1, "on": 1, "yes": 1, "device": 1, "host": 2}
+_TMA_MODES = {"0": 0, "false": 0, "off": 0, "no": 0, "": 0, "1": 1, "true": 1, "on": 1, "yes": 1, "device": 1, "host": 2, "2": 2}
 
 
 def tma_fits(tensors, has_bias: bool, has_mask: bool) -> bool:
