@@ -43,6 +43,14 @@ def randn(*shape, dtype=torch.float32, device="cpu", generator=None):
     return torch.randn(*shape, generator=generator, device=device).to(dtype)
 
 
+def qkv_and_tangents(b, h, lq, lkv, d, dtype=torch.float32, seed=0, device="cpu"):
+    """(q, k, v, tq, tk, tv), standard normal in (B, H, L, D), from a generator seeded with `seed` on `device`."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    q, tq = (randn(b, h, lq, d, dtype=dtype, device=device, generator=g) for _ in range(2))
+    k, v, tk, tv = (randn(b, h, lkv, d, dtype=dtype, device=device, generator=g) for _ in range(4))
+    return q, k, v, tq, tk, tv
+
+
 def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     """||x - ref|| / ||ref|| in float64; NaN anywhere fails every comparison."""
     x, ref = x.double(), ref.double()

@@ -13,16 +13,9 @@ from torch.autograd import forward_ad
 
 import flm.attention as fa
 from flm.kernels import attention_fwd as kernels
-from tests.attention.reference import grads64, jvp64, randn, rel_err
+from tests.attention.reference import grads64, jvp64, qkv_and_tangents, randn, rel_err
 
 TOL = {torch.float32: 1e-5, torch.float16: 3e-3}
-
-
-def _inputs(b, h, lq, lkv, d, dtype=torch.float32, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    q, tq = (randn(b, h, lq, d, dtype=dtype, generator=g) for _ in range(2))
-    k, v, tk, tv = (randn(b, h, lkv, d, dtype=dtype, generator=g) for _ in range(4))
-    return q, k, v, tq, tk, tv
 
 
 @pytest.fixture
@@ -82,7 +75,7 @@ SHAPES = [
 @pytest.mark.parametrize("shape", SHAPES, ids=[f"d{s[4]}" + ("-causal" if s[5] else "") for s in SHAPES])
 def test_split_jvp_and_forward_match_math(shape, dtype, no_padding):
     *dims, causal = shape
-    q, k, v, tq, tk, tv = _inputs(*dims, dtype)
+    q, k, v, tq, tk, tv = qkv_and_tangents(*dims, dtype)
     o, to = fa.jvp_attention(q, k, v, tq, tk, tv, causal=causal)
     o_ref, to_ref = jvp64(q, k, v, tq, tk, tv, causal=causal)
     for x in (o, to):
@@ -99,7 +92,7 @@ def test_split_jvp_and_forward_match_math(shape, dtype, no_padding):
 @pytest.mark.parametrize("d", [40, 72, 96])
 def test_split_with_bias_tangent_and_mask_matches_math(d, dtype, no_padding):
     """A per-head bias with its tangent and a key-padding mask; batch 1 pads every key (its rows get 0)."""
-    q, k, v, tq, tk, tv = _inputs(2, 2, 23, 30, d, dtype, seed=1)
+    q, k, v, tq, tk, tv = qkv_and_tangents(2, 2, 23, 30, d, dtype, seed=1)
     g = torch.Generator().manual_seed(2)
     bias, tbias = (randn(1, 2, 23, 30, dtype=dtype, generator=g) for _ in range(2))
     mask = torch.rand(2, 30, generator=g) > 0.3
@@ -114,7 +107,7 @@ def test_split_with_bias_tangent_and_mask_matches_math(d, dtype, no_padding):
 
 def test_split_gradients_with_bias_match_math():
     """The backward (flm's Triton one, with a bias) at head dim 72 from the unpadded forward's o."""
-    q, k, v, *_ = _inputs(1, 2, 21, 26, 72, seed=3)
+    q, k, v, *_ = qkv_and_tangents(1, 2, 21, 26, 72, seed=3)
     bias = torch.randn(1, 1, 21, 26)
     q, k, v, bias = (x.requires_grad_() for x in (q, k, v, bias))
     o = fa.attention(q, k, v, backend="triton_jvp", bias=bias)
@@ -128,7 +121,7 @@ def test_split_gradients_with_bias_match_math():
 def test_head_dims_above_128_run_padded_and_match_math(d):
     """Above 128 a head dim that is not a power of two runs the 256-wide kernel on zero-padded copies; the
     outputs are views of width d."""
-    q, k, v, tq, tk, tv = _inputs(1, 2, 19, 23, d, seed=4)
+    q, k, v, tq, tk, tv = qkv_and_tangents(1, 2, 19, 23, d, seed=4)
     o, to = fa.jvp_attention(q, k, v, tq, tk, tv, causal=False)
     o_ref, to_ref = jvp64(q, k, v, tq, tk, tv)
     assert o.shape == q.shape and rel_err(o, o_ref) < 1e-5 and rel_err(to, to_ref) < 1e-5

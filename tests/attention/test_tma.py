@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from flm.kernels import attention_fwd as kernels
-from tests.attention.reference import jvp64, randn, rel_err
+from tests.attention.reference import jvp64, qkv_and_tangents, randn, rel_err
 
 TOL = {torch.float32: 1e-5, torch.float16: 3e-3}
 
@@ -39,13 +39,6 @@ def launched(monkeypatch):
     return flags
 
 
-def _inputs(b, h, lq, lkv, d, dtype, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    q, tq = (randn(b, h, lq, d, dtype=dtype, generator=g) for _ in range(2))
-    k, v, tk, tv = (randn(b, h, lkv, d, dtype=dtype, generator=g) for _ in range(4))
-    return q, k, v, tq, tk, tv
-
-
 MODES = {"device": 1, "host": 2}
 
 
@@ -54,7 +47,7 @@ MODES = {"device": 1, "host": 2}
 @pytest.mark.parametrize("shape", SHAPES, ids=[f"d{s[4]}-{s[2]}x{s[3]}" + ("-causal" if s[5] else "") for s in SHAPES])
 def test_tma_loads_give_the_jvp_and_the_pointer_loads_outputs(shape, dtype, mode, launched):
     *dims, causal = shape
-    q, k, v, tq, tk, tv = _inputs(*dims, dtype)
+    q, k, v, tq, tk, tv = qkv_and_tangents(*dims, dtype)
     scale = dims[-1] ** -0.5
     o, to, lse = kernels.attention_fwd(q, k, v, tq, tk, tv, causal=causal, scale=scale, tma=mode)
     o_ref, to_ref = jvp64(q, k, v, tq, tk, tv, causal=causal)
@@ -82,7 +75,7 @@ def test_tma_reads_the_dits_head_views_in_place(mode, b, launched):
 
 
 def test_tma_is_not_used_with_a_bias_a_mask_or_a_misaligned_input(launched):
-    q, k, v, tq, tk, tv = _inputs(1, 2, 24, 24, 32, torch.float32)
+    q, k, v, tq, tk, tv = qkv_and_tangents(1, 2, 24, 24, 32, torch.float32)
     bias = torch.randn(1, 2, 24, 24)
     mask = torch.ones(1, 24, dtype=torch.bool)
     kernels.attention_fwd(q, k, v, causal=False, scale=0.2, bias=bias, tma=True)
@@ -95,7 +88,7 @@ def test_tma_is_not_used_with_a_bias_a_mask_or_a_misaligned_input(launched):
 
 
 def test_flm_attention_tma_decides_the_default(monkeypatch, launched):
-    q, k, v, *_ = _inputs(1, 1, 16, 16, 16, torch.float32)
+    q, k, v, *_ = qkv_and_tangents(1, 1, 16, 16, 16, torch.float32)
     for value, mode in (("1", 1), ("0", 0), ("", 0), ("on", 1), ("host", 2), ("device", 1)):
         monkeypatch.setenv("FLM_ATTENTION_TMA", value)
         kernels.attention_fwd(q, k, v, causal=False, scale=0.25)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from flm.kernels import attention_fwd as kernels
-from tests.attention.reference import jvp64, rel_err
+from tests.attention.reference import jvp64, qkv_and_tangents, rel_err
 
 pytestmark = [
     pytest.mark.gpu,
@@ -31,12 +31,6 @@ SHAPES = [  # (B, H, Lq, Lkv, D, causal)
 ]
 
 
-def _qkv(b, h, lq, lkv, d, dtype, seed=0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    mk = lambda n: torch.randn(b, h, n, d, device="cuda", generator=g).to(dtype)  # noqa: E731
-    return mk(lq), mk(lkv), mk(lkv), mk(lq), mk(lkv), mk(lkv)
-
-
 MODES = ["device", "host"]
 
 
@@ -45,7 +39,7 @@ MODES = ["device", "host"]
 @pytest.mark.parametrize("shape", SHAPES, ids=[f"d{s[4]}-{s[2]}x{s[3]}" + ("-causal" if s[5] else "") for s in SHAPES])
 def test_tma_forward_real_sizes(shape, dtype, mode):
     *dims, causal = shape
-    q, k, v, tq, tk, tv = _qkv(*dims, dtype)
+    q, k, v, tq, tk, tv = qkv_and_tangents(*dims, dtype, device="cuda")
     scale = dims[-1] ** -0.5
     o, to, lse = kernels.attention_fwd(q, k, v, tq, tk, tv, causal=causal, scale=scale, tma=mode)
     o_ref, to_ref = jvp64(q, k, v, tq, tk, tv, causal=causal)
@@ -61,7 +55,7 @@ def test_tma_forward_real_sizes(shape, dtype, mode):
 @pytest.mark.parametrize("d", [64, 72, 96, 128])
 def test_every_candidate_config_reads_through_tma(d, mode):
     block_d, block_d_rem = kernels.split_head_dim(d)
-    q, k, v, tq, tk, tv = _qkv(2, 2, 333, 333, d, torch.bfloat16, seed=3)
+    q, k, v, tq, tk, tv = qkv_and_tangents(2, 2, 333, 333, d, torch.bfloat16, seed=3, device="cuda")
     o_ref, to_ref = jvp64(q, k, v, tq, tk, tv)
     ran = 0
     for config in kernels.candidates(block_d + block_d_rem, False):

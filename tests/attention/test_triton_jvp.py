@@ -10,7 +10,7 @@ from torch.autograd import forward_ad
 
 from flm.attention import attention, jvp_attention
 from flm.attention import triton_jvp
-from tests.attention.reference import grads64, jvp64, randn, rel_err
+from tests.attention.reference import grads64, jvp64, qkv_and_tangents, rel_err
 
 TOL = {torch.float32: 1e-5, torch.float16: 3e-3}
 
@@ -25,18 +25,11 @@ SHAPES = [
 ]
 
 
-def _qkv(b, h, lq, lkv, d, dtype, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    q, tq = (randn(b, h, lq, d, dtype=dtype, generator=g) for _ in range(2))
-    k, v, tk, tv = (randn(b, h, lkv, d, dtype=dtype, generator=g) for _ in range(4))
-    return q, k, v, tq, tk, tv
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("shape", SHAPES)
 def test_fused_jvp_matches_torch_func_jvp_over_math(shape, dtype):
     *dims, causal = shape
-    q, k, v, tq, tk, tv = _qkv(*dims, dtype)
+    q, k, v, tq, tk, tv = qkv_and_tangents(*dims, dtype)
     o, to = jvp_attention(q, k, v, tq, tk, tv, causal=causal)
     o_ref, to_ref = jvp64(q, k, v, tq, tk, tv, causal=causal)
     assert o.dtype == dtype and to.dtype == dtype
@@ -48,7 +41,7 @@ def test_fused_jvp_matches_torch_func_jvp_over_math(shape, dtype):
 @pytest.mark.parametrize("shape", SHAPES)
 def test_triton_backward_matches_autograd_over_math(shape, dtype):
     *dims, causal = shape
-    q, k, v, *_ = _qkv(*dims, dtype)
+    q, k, v, *_ = qkv_and_tangents(*dims, dtype)
     q, k, v = (x.requires_grad_() for x in (q, k, v))
     assert triton_jvp.backward_impl(q) == "triton"  # what runs on the CPU
     o = attention(q, k, v, backend="triton_jvp", causal=causal)
@@ -59,7 +52,7 @@ def test_triton_backward_matches_autograd_over_math(shape, dtype):
 
 
 def test_dual_and_func_jvp_paths_equal_direct_call():
-    q, k, v, tq, tk, tv = _qkv(2, 2, 29, 29, 32, torch.float32, seed=1)
+    q, k, v, tq, tk, tv = qkv_and_tangents(2, 2, 29, 29, 32, torch.float32, seed=1)
     o, to = jvp_attention(q, k, v, tq, tk, tv, scale=0.3)
     with forward_ad.dual_level():
         duals = [forward_ad.make_dual(x, t) for x, t in zip((q, k, v), (tq, tk, tv))]
@@ -73,7 +66,7 @@ def test_dual_and_func_jvp_paths_equal_direct_call():
 
 
 def test_dual_path_gradient_flows_to_primals_not_tangent():
-    q, k, v, tq, tk, tv = _qkv(1, 2, 21, 21, 32, torch.float32, seed=2)
+    q, k, v, tq, tk, tv = qkv_and_tangents(1, 2, 21, 21, 32, torch.float32, seed=2)
     q, k, v = (x.requires_grad_() for x in (q, k, v))
     tq.requires_grad_()  # a tangent with a graph must not leak into the tangent output
     with forward_ad.dual_level():
@@ -89,14 +82,14 @@ def test_dual_path_gradient_flows_to_primals_not_tangent():
 
 def test_partial_tangents_get_zeros():
     """Keys and values with no tangent (a t-independent context) count as zero tangents."""
-    q, k, v, tq, _, _ = _qkv(1, 2, 17, 11, 32, torch.float32, seed=3)
+    q, k, v, tq, _, _ = qkv_and_tangents(1, 2, 17, 11, 32, torch.float32, seed=3)
     with forward_ad.dual_level():
         out = forward_ad.unpack_dual(attention(forward_ad.make_dual(q, tq), k, v, backend="triton_jvp"))
     _, to_ref = jvp64(q, k, v, tq, torch.zeros_like(k), torch.zeros_like(v))
     assert rel_err(out.tangent, to_ref) < 1e-5
 
 
-def test_non_contiguous_views_of_fused_qkv():
+def test_non_contiguous_views_of_fusedqkv_and_tangents():
     b, n, h, d = 2, 19, 2, 40
     qkv = torch.randn(b, n, 3, h, d)
     tqkv = torch.randn(b, 3, h, n, d)  # a different layout from the primal's
@@ -120,7 +113,7 @@ def test_no_keys_gives_zeros_not_nan():
 
 
 def test_plain_forward_matches_math():
-    q, k, v, *_ = _qkv(2, 2, 45, 30, 72, torch.float32, seed=4)
+    q, k, v, *_ = qkv_and_tangents(2, 2, 45, 30, 72, torch.float32, seed=4)
     o = attention(q, k, v, backend="triton_jvp")
     assert rel_err(o, jvp64(q, k, v, q, k, v)[0]) < 1e-5
 
@@ -128,7 +121,7 @@ def test_plain_forward_matches_math():
 def test_compiles_without_graph_breaks():
     """Custom ops keep torch.compile's graph whole on the plain forward and backward."""
     torch._dynamo.reset()
-    q, k, v, *_ = _qkv(1, 2, 16, 16, 32, torch.float32, seed=5)
+    q, k, v, *_ = qkv_and_tangents(1, 2, 16, 16, 32, torch.float32, seed=5)
     w = torch.randn(32, 32, requires_grad=True)
 
     def step(q, k, v):
@@ -146,7 +139,7 @@ def test_a_compiled_jvp_takes_the_fused_kernel(monkeypatch, d):
     """torch.func.jvp under torch.compile (trainer.compile's path): one fused launch gives o and its tangent, and the
     loss and gradients match eager mode; the fused op's autograd formula gives o's gradient in compiled code."""
     torch._dynamo.reset()
-    q, k, v, tq, tk, tv = _qkv(1, 2, 16, 16, d, torch.float32, seed=6)
+    q, k, v, tq, tk, tv = qkv_and_tangents(1, 2, 16, 16, d, torch.float32, seed=6)
     for x in (q, k, v):
         x.requires_grad_(True)
     w = torch.randn(d, d, requires_grad=True)
@@ -222,7 +215,7 @@ def _fake_flash_attn_backward(
 def test_flash_attn_backward_call_matches_autograd_over_math(causal):
     """flm's call into flash_attn's backward (layout, lse, keyword names), against a stand-in with
     flash_attn 2.7's signature: flash_attn itself needs a CUDA build."""
-    q, k, v, *_ = _qkv(2, 3, 29, 29, 32, torch.float32)
+    q, k, v, *_ = qkv_and_tangents(2, 3, 29, 29, 32, torch.float32)
     o, _, lse = triton_jvp.attention_fwd(q, k, v, causal=causal, scale=32**-0.5)
     do = torch.randn_like(o)
     with pytest.MonkeyPatch.context() as mp:
