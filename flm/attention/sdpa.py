@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flm.attention.layout import grad_in_q_order
+from flm.kernels.launch import hopper_or_later
 
 
 def attention(q, k, v, *, causal: bool, scale: float, bias=None, key_padding_mask=None) -> torch.Tensor:
@@ -23,17 +24,7 @@ def attention(q, k, v, *, causal: bool, scale: float, bias=None, key_padding_mas
 def cudnn_may_run(q: torch.Tensor) -> bool:
     """Whether SDPA may pick cuDNN's attention for q: CUDA from Hopper on (its priority there). Elsewhere GradInQOrder's
     Python backward node would cost host time for a cache that is never built."""
-    return _hopper_on(q.device)
-
-
-@torch.compiler.assume_constant_result  # a constant of the device: torch.compile folds it, no graph break
-def _hopper_on(device: torch.device) -> bool:
-    if device not in _HOPPER_ON:
-        _HOPPER_ON[device] = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
-    return _HOPPER_ON[device]
-
-
-_HOPPER_ON: dict[torch.device, bool] = {}
+    return hopper_or_later(q.device)
 
 
 def _as_is(o, q):

@@ -40,7 +40,7 @@ import triton.language as tl
 from triton.compiler.errors import CompileTimeAssertionFailure
 from triton.runtime.errors import OutOfResources, PTXASError
 
-from flm.kernels.launch import DirectLaunch
+from flm.kernels.launch import DirectLaunch, TensorDescriptor, hopper_or_later
 
 
 # ---------------------------------------------------------------------------------------------
@@ -718,20 +718,9 @@ def tma_fits(tensors, has_bias: bool, has_mask: bool) -> bool:
     `_prepare`)."""
     if has_bias or has_mask:
         return False
-    if not interpreted() and not _hopper_or_later(tensors[0].device):
+    if not interpreted() and not hopper_or_later(tensors[0].device):
         return False
     return all(t.data_ptr() % 16 == 0 for t in tensors)
-
-
-_HOPPER: dict[torch.device, bool] = {}
-
-
-def _hopper_or_later(device: torch.device) -> bool:
-    """CUDA of compute capability 9 or more (cached: asked on every launch)."""
-    known = _HOPPER.get(device)
-    if known is None:
-        known = _HOPPER[device] = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
-    return known
 
 
 def _descriptor(x: torch.Tensor, rows: int, cols: int):
@@ -746,33 +735,29 @@ def _descriptor(x: torch.Tensor, rows: int, cols: int):
         strides=[st if n > 1 else 16 for st, n in zip(x.stride()[:3], x.shape[:3])] + [1],
         block_shape=[1, 1, rows, cols],
     )
-    d = object.__new__(_tensor_descriptor())
+    d = object.__new__(TensorDescriptor)
     d.__dict__.update(fields)
     return d
 
 
 @functools.cache
-def _tensor_descriptor():
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    return TensorDescriptor
-
-
-@functools.cache
 def _descriptor_defaults() -> tuple:
     """TensorDescriptor's fields that have defaults (padding, ...: they vary across Triton versions), as (name, value)."""
-    return tuple((f.name, f.default) for f in dataclasses.fields(_tensor_descriptor()) if f.default is not dataclasses.MISSING)
+    return tuple((f.name, f.default) for f in dataclasses.fields(TensorDescriptor) if f.default is not dataclasses.MISSING)
 
 
 def _with_descriptors(args: list, bm: int, bn: int, block_d: int, block_d_rem: int) -> list:
     """The launch's arguments with q, k, v, tq, tk, tv (args 0-5) and the remainder's slots (12-17, QR ... TVR in the
     same order) as descriptors."""
-    out = list(args)
+    out, made = list(args), {}
     for i, x in enumerate(args[:6]):
         rows = bm if i in (0, 3) else bn
-        out[i] = _descriptor(x, rows, block_d)
-        if block_d_rem:
-            out[12 + i] = _descriptor(x, rows, block_d_rem)
+        for slot, width in ((i, block_d), (12 + i, block_d_rem)):
+            if width:  # without tangents args 3-5 are q, k, v again: their descriptors are made once
+                key = (id(x), rows, width)
+                if key not in made:
+                    made[key] = _descriptor(x, rows, width)
+                out[slot] = made[key]
     return out
 
 

@@ -23,6 +23,19 @@ except ImportError:  # Triton < 3.4: no host-built descriptors
     TensorDescriptor = None
 
 
+@torch.compiler.assume_constant_result  # a constant of the device: torch.compile folds it, no graph break
+def hopper_or_later(device: torch.device) -> bool:
+    """CUDA of compute capability 9 or more: cuDNN's attention is SDPA's first choice there, and tensor descriptors
+    (TMA) exist. Cached: asked on every attention call."""
+    known = _HOPPER.get(device)
+    if known is None:
+        known = _HOPPER[device] = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    return known
+
+
+_HOPPER: dict[torch.device, bool] = {}
+
+
 def specialization(args) -> tuple:
     """What Triton compiles a kernel for, per runtime argument: a tensor's dtype and 16-byte alignment, an int's type
     (i32, i64 or u64) and its being 1 or a multiple of 16, a tensor descriptor's dtype and block shape; floats are not

@@ -1,6 +1,7 @@
-"""The fused forward reading its tiles through tensor descriptors (Hopper's TMA, `FLM_ATTENTION_TMA=1`) against float64
-math attention and against its pointer loads, in Triton's interpreter (fp32, fp16, block 16); bf16 at real sizes is in
-test_tma_gpu.py. Also where the descriptors are used: never with a bias or mask, nor on a misaligned input."""
+"""The fused forward reading its tiles through tensor descriptors (Hopper's TMA, `FLM_ATTENTION_TMA=1` or `host`) against
+float64 math attention and against its pointer loads, in Triton's interpreter (fp32, fp16, block 16); bf16 at real sizes is
+in test_tma_gpu.py. Both kinds: built by each program for its head (TMA 1), and 4-D ones the host builds per launch (TMA
+2). Also where the descriptors are used: never with a bias or mask, nor on a misaligned input."""
 
 import pytest
 import torch

@@ -1,6 +1,6 @@
 # The call after tools/gpu/next.sh on the same warm machine (its teacher runs/q/fmqa2 kept):
 #   LIMIT=SECONDS bash tools/gpu/next2.sh   (carry [".gpu"])
-# The gpu tests outside the two attention files next.sh ran, beside issue 14's students with attention=auto (the
+# The gpu tests outside the three attention files next.sh runs (and the cuDNN ones run on the fifty-fifth day), beside issue 14's students with attention=auto (the
 # student's plain calls through SDPA, its dO now handed over in q's order by flm's sdpa backend) on seeds 0 and 2.
 set -u; cd "$(dirname "$0")/../.."; LIMIT=${LIMIT:-590}; source tools/gpu/env.sh
 (
