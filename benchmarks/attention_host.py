@@ -69,9 +69,9 @@ class _NativeNode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops.aten._scaled_dot_product_cudnn_attention.default:
             q, k = args[0], args[1]
-            none = q.new_empty(0)
-            seed = torch.empty((), dtype=torch.int64, device=q.device)
-            return self.o, self.lse.unsqueeze(-1), none, none, q.shape[2], k.shape[2], seed, seed, none
+            seed = torch.empty((), dtype=torch.int64, device=q.device)  # philox seed and offset: no dropout
+            # None: undefined tensors, as cuDNN's forward returns (a defined cum_seq_q means a nested tensor)
+            return self.o, self.lse.unsqueeze(-1), None, None, q.shape[2], k.shape[2], seed, seed, None
         return func(*args, **(kwargs or {}))
 
 
