@@ -16,9 +16,9 @@ import itertools
 import torch
 import triton
 
-from flm.kernels.attention_fwd import attention_fwd, candidates, split_head_dim
+from flm.kernels.attention_fwd import _TMA_MODES, attention_fwd, launch_candidates, split_head_dim
 
-LOADS = {"pointers": False, "tma": "device", "tma-host": "host"}
+LOADS = {"pointers": "0", "tma": "device", "tma-host": "host"}  # attention_fwd's tma=
 BLOCKS = [(128, 128), (128, 64), (128, 32), (128, 16), (64, 64), (64, 32), (64, 128)]
 
 
@@ -29,7 +29,9 @@ def main():
     ap.add_argument("--blocks", nargs="+", default=[f"{m}x{n}" for m, n in BLOCKS], help="BLOCK_MxBLOCK_N")
     ap.add_argument("--warps", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--stages", type=int, nargs="+", default=[2, 3, 4])
-    ap.add_argument("--candidates", action="store_true", help="the kernel's own candidates per head dim, not the grid above")
+    ap.add_argument(
+        "--candidates", action="store_true", help="the kernel's own candidates per head dim and load kind, not the grid above"
+    )
     ap.add_argument("--loads", nargs="+", choices=list(LOADS), default=["pointers"], help="how the kernel reads tiles")
     args = ap.parse_args()
     a, b = (torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
@@ -44,12 +46,13 @@ def main():
         results = []
         blocks = [tuple(int(x) for x in b.split("x")) for b in args.blocks]
         block_d, block_d_rem = split_head_dim(d)
-        configs = (
-            candidates(block_d + block_d_rem, False)
-            if args.candidates
-            else [(bm, bn, w, s) for (bm, bn), w, s in itertools.product(blocks, args.warps, args.stages)]
-        )
-        for cfg, loads in itertools.product(configs, args.loads):
+        grid = [(bm, bn, w, s) for (bm, bn), w, s in itertools.product(blocks, args.warps, args.stages)]
+        runs = [
+            (tuple(c[:4]), loads)
+            for loads in args.loads
+            for c in (launch_candidates(block_d + block_d_rem, False, _TMA_MODES[LOADS[loads]]) if args.candidates else grid)
+        ]
+        for cfg, loads in runs:
             tma = LOADS[loads]
             fn = lambda: attention_fwd(q, k, v, tq, tk, tv, causal=False, scale=d**-0.5, config=cfg, tma=tma)  # noqa: E731
             try:

@@ -34,16 +34,6 @@ def _own_launch(grid, args, constexprs, num_warps, num_stages):
     kernels._fwd_kernel[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
 
 
-class _Autotuned(dict):
-    """A memory of tuned configs that never remembers: every call goes through Triton's autotuner."""
-
-    def get(self, key, default=None):
-        return default
-
-    def __setitem__(self, key, value):
-        pass
-
-
 class _Double(torch.autograd.Function):
     """2 x, with a Python backward: what the autograd engine charges a Python Function on this device, apart from
     any work in it."""
@@ -91,7 +81,8 @@ def layers(d: int, n: int, heads: int = 16, bh: int = 64):
     do = torch.randn_like(q)
     scale = d**-0.5
     o, _, lse = attention_fwd(q, k, v, tq, tk, tv, causal=False, scale=scale)
-    impl = triton_jvp.backward_impl(q)
+    bm, bn, warps, stages, tma = next(reversed(kernels._TUNED.values()))  # the tuner's choice for these shapes
+    impl = f"fwd {bm}x{bn}x{warps}x{stages} {('pointers', 'tma', 'tma-host')[tma]}, bwd {triton_jvp.backward_impl(q)}"
     sdpa = torch.nn.functional.scaled_dot_product_attention
     so = sdpa(qg, kg, vg)
 
@@ -129,15 +120,19 @@ def layers(d: int, n: int, heads: int = 16, bh: int = 64):
         "fwd: attention_fwd (the kernel launch and its allocations)": lambda: attention_fwd(
             q, k, v, tq, tk, tv, causal=False, scale=scale
         ),
+        "fwd: attention_fwd, pointer loads (tma=False)": lambda: attention_fwd(
+            q, k, v, tq, tk, tv, causal=False, scale=scale, tma=False
+        ),
         "fwd: attention_fwd, Triton's own launch of the tuned config (the former path)": lambda: former(
             "_fwd_launch", _own_launch
         ),
-        "fwd: attention_fwd through the autotuner (the former path)": lambda: former("_TUNED", _Autotuned()),
         "fwd: triton_jvp.jvp_attention (+ autograd.Function)": lambda: triton_jvp.jvp_attention(
             qg, kg, vg, tq, tk, tv, causal=False, scale=scale
         ),
         "fwd: flm.attention.jvp_attention (+ input checks)": lambda: fa.jvp_attention(qg, kg, vg, tq, tk, tv),
-        "bwd: the backward in use, called directly": lambda: triton_jvp.BACKWARDS[impl](do, q, k, v, o, lse, False, scale),
+        "bwd: the backward in use, called directly": lambda: triton_jvp.BACKWARDS[triton_jvp.backward_impl(q)](
+            do, q, k, v, o, lse, False, scale
+        ),
         "bwd: _bwd_impl (+ choice of backward)": lambda: triton_jvp._bwd_impl(do, q, k, v, o, lse, False, scale),
         "fwd + bwd: fused, autograd.grad": fused_step,
         "SDPA fwd (no grad)": lambda: sdpa(q, k, v),
@@ -150,7 +145,7 @@ def layers(d: int, n: int, heads: int = 16, bh: int = 64):
         "2 x, native op, fwd + bwd": lambda: torch.autograd.grad(qg * 2, (qg,), do),
         "2 x, Python autograd.Function, fwd + bwd": lambda: torch.autograd.grad(_Double.apply(qg), (qg,), do),
     }
-    if impl != "cudnn":
+    if not impl.endswith("cudnn"):
         rows = {name: fn for name, fn in rows.items() if "prototype" not in name}
     else:
         err = max((a.float() - b.float()).abs().max().item() for a, b in zip(native_step(), fused_step()))
@@ -203,7 +198,7 @@ def main():
     ):
         ratios = [results[c][proto] / results[c][sdpa] if proto in results[c] else float("nan") for c in cols]
         print(f"| native node (prototype) / SDPA, {label} | " + " | ".join(f"{r:.2f}x" for r in ratios) + " |")
-    print("| backward in use | " + " | ".join(impls[c] for c in cols) + " |")
+    print("| forward's tuned config and loads, backward in use | " + " | ".join(impls[c] for c in cols) + " |")
     text = "\n".join(profiles)
     if args.profile_out:
         with open(args.profile_out, "w") as f:

@@ -616,49 +616,43 @@ _CANDIDATES = {  # powers of two: from benchmarks/attention_configs.py on an H20
     128: [(128, 64, 8, 2), (128, 32, 8, 4)],  # the latter best at 256 and 1024 tokens
     256: [(64, 32, 4, 2), (128, 32, 8, 1)],
 }
+# With tensor descriptors the host builds (TMA 2), where they fit (`tma_fits`): the fastest of `benchmarks/
+# attention_configs.py --loads tma-host` per tile width at 4096, 1024 and 256 tokens on an H100 (bf16; the descriptors
+# free 36-87 registers, so larger tiles fit: docs/attention.md, fifty-sixth day). Other widths try the pointers' list.
+_HOST_TMA_CANDIDATES = {
+    64: [(128, 128, 8, 3), (64, 64, 4, 3), (64, 64, 4, 2)],
+    80: [(128, 128, 8, 2), (64, 64, 4, 2)],
+    128: [(128, 64, 8, 2)],
+}
 # With a bias (and its tangent) the pipeliner stages one or two more (BLOCK_M, BLOCK_N) tiles in shared
 # memory, and the fast candidates can exceed the H200's 227 KiB (an fp32 bias with its tangent; the
-# autotuner skips configs that do not fit). The bias path also tries this one, which fits every case
+# tuner skips configs that do not fit). The bias path also tries this one, which fits every case
 # (at most 160 KiB: head dim 128, fp32 inputs, bias and bias tangent; Triton 3.8, sm_90).
 _BIAS_FALLBACK = (64, 32, 4, 2)
-_ALL = sorted({c for cs in _CANDIDATES.values() for c in cs} | {_BIAS_FALLBACK})
 
 
 def candidates(tile_width: int, biased: bool) -> list[tuple[int, int, int, int]]:
-    """The (BLOCK_M, BLOCK_N, num_warps, num_stages) to try for a tile width (BLOCK_D + BLOCK_D_REM), in order,
-    with the bias fallback last when there is a bias or a mask."""
-    wanted = _CANDIDATES[min(w for w in _CANDIDATES if w >= tile_width)]
+    """The (BLOCK_M, BLOCK_N, num_warps, num_stages) to try with pointer loads for a tile width (BLOCK_D + BLOCK_D_REM),
+    in order, with the bias fallback last when there is a bias or a mask."""
+    wanted = _CANDIDATES[_width_key(tile_width)]
     return [*wanted, _BIAS_FALLBACK] if biased else list(wanted)
 
 
-def _prune(configs, named_args, **meta):
-    """The autotuner's configs for this head dim's tile width, plus the bias fallback."""
-    wanted = candidates(meta["BLOCK_D"] + meta["BLOCK_D_REM"], meta["HAS_BIAS"] or meta["HAS_MASK"])
-    return [c for c in configs if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in wanted]
+def _width_key(tile_width: int) -> int:
+    return min(w for w in _CANDIDATES if w >= tile_width)
 
 
-_fwd_tuned = triton.autotune(
-    configs=[triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in _ALL],
-    key=[
-        "LQ_BUCKET",
-        "LKV_BUCKET",
-        "HEAD_DIM",
-        "HAS_TANGENT",
-        "HAS_BIAS",
-        "HAS_BIAS_TANGENT",
-        "HAS_MASK",
-        "CAUSAL",
-        "PRECISION",
-        "TMA",
-    ],
-    prune_configs_by={"early_config_prune": _prune},
-    cache_results=True,
-)(_fwd_kernel)
+def launch_candidates(tile_width: int, biased: bool, loads: tuple[int, ...]) -> list[tuple[int, int, int, int, int]]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages, TMA) for each load kind in `loads` (0 pointers, 1 descriptors each
+    program builds, 2 descriptors the host builds), in that order: host-built descriptors their own list where the
+    width has one, the others the pointers' list."""
+    pointers = candidates(tile_width, biased)
+    host = _HOST_TMA_CANDIDATES.get(_width_key(tile_width), pointers)
+    return [(*c, tma) for tma in loads for c in (host if tma == 2 else pointers)]
 
 
-# the autotuner's choice per key: later calls launch the kernel with it directly, skipping the autotuner's own
-# per-call work (building its key from ~50 arguments; in cProfile about a fifth of the fused forward's host time)
-_TUNED: dict[tuple, tuple[int, int, int, int]] = {}
+# the tuner's choice per key: later calls launch the kernel with it directly (flm.kernels.launch.DirectLaunch)
+_TUNED: dict[tuple, tuple[int, int, int, int, int]] = {}
 _fwd_launch = DirectLaunch(_fwd_kernel)
 
 
@@ -692,24 +686,56 @@ def first_that_fits(launch, configs):
     raise ValueError("no launch configuration to try")
 
 
-def tma_wanted() -> int:
-    """FLM_ATTENTION_TMA: 0 (or false, off, no; the default) pointer loads; 1 (or true, on, yes, device) the forward reads its
-    tiles through tensor descriptors (Hopper's TMA) that each program builds for its head; host: descriptors of the
-    whole tensors, built once per launch on the host (untuned: the first launch candidate that fits, unless a config is
-    given). Off by default: on an H200 the device-built ones beat the pointer loads only at head dim 128 from 4096
-    tokens (1.07x), and lost up to 0.60x at 256 tokens, where each program's descriptor setup is a large share
-    (docs/attention.md)."""
-    value = os.environ.get("FLM_ATTENTION_TMA", "0").strip().lower()
-    mode = _TMA_MODES.get(value)
-    if mode is None:
+def fastest(launch, configs, bench=None):
+    """The one of `configs` whose `launch(config)` takes least GPU time (the median of triton.testing.do_bench, as
+    Triton's autotuner times a config), skipping those that do not fit (first_that_fits's errors); the last error when
+    none fits. flm tunes the forward itself: Triton's autotuner cannot build a config's host-side tensor descriptors."""
+    bench = bench or functools.partial(triton.testing.do_bench, return_mode="median")
+    timed, error = [], None
+    for i, config in enumerate(configs):
+        run = functools.partial(launch, config)
+        try:
+            run()  # compiles; a config that does not fit fails here
+        except _UNFIT as err:
+            error = err
+            continue
+        timed.append((bench(run), i, config))
+    if not timed:
+        raise error if error is not None else ValueError("no launch configuration to try")
+    return min(timed)[2]
+
+
+def tma_wanted() -> tuple[int, ...]:
+    """The load kinds FLM_ATTENTION_TMA asks the forward's tuner to try (0 pointers, 1 tensor descriptors that each
+    program builds for its head, 2 descriptors of the whole tensors that the host builds per launch; Hopper's TMA):
+    auto (the default) 0 and 2, timed against each other per shape; 0 (or false, off, no) pointers only; 1 (or true, on,
+    yes, device) device-built only; host host-built only. Device-built descriptors are never tried by default: on an
+    H200 they lost up to 0.60x at 256 tokens to each program's descriptor setup (docs/attention.md)."""
+    value = os.environ.get("FLM_ATTENTION_TMA", "auto").strip().lower()
+    loads = _TMA_MODES.get(value)
+    if loads is None:
         raise ValueError(
-            f"FLM_ATTENTION_TMA={value!r}: set 0 (pointer loads, the default), 1 (descriptors each program builds) or host "
-            "(descriptors built on the host)"
+            f"FLM_ATTENTION_TMA={value!r}: set auto (time pointer loads against host-built descriptors, the default), 0 "
+            "(pointer loads), 1 (descriptors each program builds) or host (descriptors built on the host)"
         )
-    return mode
+    return loads
 
 
-_TMA_MODES = {"0": 0, "false": 0, "off": 0, "no": 0, "": 0, "1": 1, "true": 1, "on": 1, "yes": 1, "device": 1, "host": 2, "2": 2}
+_TMA_MODES = {
+    **dict.fromkeys(("auto", ""), (0, 2)),
+    **dict.fromkeys(("0", "false", "off", "no"), (0,)),
+    **dict.fromkeys(("1", "true", "on", "yes", "device"), (1,)),
+    **dict.fromkeys(("2", "host"), (2,)),
+}
+
+
+def _loads(tma, tensors, has_bias: bool, has_mask: bool) -> tuple[int, ...]:
+    """The load kinds to try for these inputs: `tma` (attention_fwd's argument; None: FLM_ATTENTION_TMA) less the
+    descriptors where they cannot read the inputs (`tma_fits`); pointers then."""
+    wanted = tma_wanted() if tma is None else _TMA_MODES[str(tma).lower()]
+    if wanted != (0,) and not tma_fits(tensors, has_bias, has_mask):
+        return (0,)
+    return wanted
 
 
 def tma_fits(tensors, has_bias: bool, has_mask: bool) -> bool:
@@ -723,27 +749,30 @@ def tma_fits(tensors, has_bias: bool, has_mask: bool) -> bool:
     return all(t.data_ptr() % 16 == 0 for t in tensors)
 
 
-def _descriptor(x: torch.Tensor, rows: int, cols: int):
-    """A 4-D tensor descriptor of x (B, H, L, D) read in (1, 1, rows, cols) blocks. A dim of size 1 gets a stride of 16
-    elements: it is never stepped, and the copy engine wants every stride a multiple of 16 bytes. Made without
-    TensorDescriptor's own checks (~4 us each on a slow CPU, and a launch makes up to twelve): `tma_fits` and
-    `_prepare` have checked the base's alignment and the strides."""
-    fields = dict(_descriptor_defaults())
-    fields.update(
-        base=x,
-        shape=list(x.shape),
-        strides=[st if n > 1 else 16 for st, n in zip(x.stride()[:3], x.shape[:3])] + [1],
-        block_shape=[1, 1, rows, cols],
-    )
-    d = object.__new__(TensorDescriptor)
-    d.__dict__.update(fields)
-    return d
+def _descriptors(x: torch.Tensor, rows: int, widths: tuple[int, int]) -> list:
+    """4-D tensor descriptors of x (B, H, L, D), read in (1, 1, rows, width) blocks, one per nonzero width (the head
+    dim's main chunk and its remainder). A dim of size 1 gets a stride of 16 elements: it is never stepped, and the copy
+    engine wants every stride a multiple of 16 bytes. Made without TensorDescriptor's own checks (~4 us each on a slow
+    CPU, and a launch makes up to twelve): `tma_fits` and `_prepare` have checked the base's alignment and the strides."""
+    b, h, n, _ = shape = list(x.shape)
+    sb, sh, sn, _ = x.stride()
+    fields = {**_descriptor_defaults(), "base": x, "shape": shape}
+    fields["strides"] = [sb if b > 1 else 16, sh if h > 1 else 16, sn if n > 1 else 16, 1]
+    made = []
+    for width in widths:
+        if not width:
+            made.append(None)
+            continue
+        d = object.__new__(TensorDescriptor)
+        d.__dict__ = {**fields, "block_shape": [1, 1, rows, width]}
+        made.append(d)
+    return made
 
 
 @functools.cache
-def _descriptor_defaults() -> tuple:
-    """TensorDescriptor's fields that have defaults (padding, ...: they vary across Triton versions), as (name, value)."""
-    return tuple((f.name, f.default) for f in dataclasses.fields(TensorDescriptor) if f.default is not dataclasses.MISSING)
+def _descriptor_defaults() -> dict:
+    """TensorDescriptor's fields that have defaults (padding, ...: they vary across Triton versions). Read-only."""
+    return {f.name: f.default for f in dataclasses.fields(TensorDescriptor) if f.default is not dataclasses.MISSING}
 
 
 def _with_descriptors(args: list, bm: int, bn: int, block_d: int, block_d_rem: int) -> list:
@@ -752,12 +781,12 @@ def _with_descriptors(args: list, bm: int, bn: int, block_d: int, block_d_rem: i
     out, made = list(args), {}
     for i, x in enumerate(args[:6]):
         rows = bm if i in (0, 3) else bn
-        for slot, width in ((i, block_d), (12 + i, block_d_rem)):
-            if width:  # without tangents args 3-5 are q, k, v again: their descriptors are made once
-                key = (id(x), rows, width)
-                if key not in made:
-                    made[key] = _descriptor(x, rows, width)
-                out[slot] = made[key]
+        key = (id(x), rows)  # without tangents args 3-5 are q, k, v again: their descriptors are made once
+        if key not in made:
+            made[key] = _descriptors(x, rows, (block_d, block_d_rem))
+        out[i], rem = made[key]
+        if rem is not None:
+            out[12 + i] = rem
     return out
 
 
@@ -843,9 +872,11 @@ def attention_fwd(
     """(o, to, lse) for q (B, H, Lq, D), k/v (B, H, Lkv, D); to is None without tangents.
 
     Inputs are assumed checked (flm.attention.inputs); lse is (B, H, Lq) fp32 in natural log.
-    config = (BLOCK_M, BLOCK_N, num_warps, num_stages) skips tuning (benchmarks/attention_configs.py).
-    tma: read the tiles through tensor descriptors: True or "device" (each program builds its head's), "host" (built
-    here), False (pointer loads); None: FLM_ATTENTION_TMA decides. Off where they do not fit.
+    config = (BLOCK_M, BLOCK_N, num_warps, num_stages) skips tuning (benchmarks/attention_configs.py; with tma auto it
+    reads through pointers).
+    tma: how the tiles are read: False (pointer loads), True or "device" (tensor descriptors each program builds for its
+    head), "host" (descriptors built here), "auto" (pointers or host-built ones, whichever the tuner times faster);
+    None: FLM_ATTENTION_TMA decides (auto by default). Descriptors only where they fit (`tma_fits`).
     bias (and bias_tangent, used only with tangents): 4 dims broadcastable to (B, H, Lq, Lkv), any
     strides; key_padding_mask: bool (B, Lkv), True = attend.
     """
@@ -866,9 +897,7 @@ def attention_fwd(
     o = torch.empty((b, h, lq, width), dtype=q.dtype, device=q.device)
     to = torch.empty_like(o) if has_tangent else o
     lse = torch.empty((b, h, lq), dtype=torch.float32, device=q.device)
-    tma = tma_wanted() if tma is None else _TMA_MODES[str(tma).lower()]
-    if tma and not tma_fits((q, k, v, tq, tk, tv), has_bias, has_mask):
-        tma = 0
+    loads = _loads(tma, (q, k, v, tq, tk, tv), has_bias, has_mask)
     # broadcast dims read with stride 0; absent inputs pass q and zero strides (the kernel ignores them)
     bias = bias.expand(b, h, lq, lkv) if has_bias else q
     tbias = bias_tangent.expand(b, h, lq, lkv) if has_bias_tangent else q
@@ -907,36 +936,34 @@ def attention_fwd(
         HAS_MASK=has_mask,
         CAUSAL=causal,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        TMA=tma,
     )
     interpreter = interpreted()
     if interpreter:
         config = (16, 16, 4, 1)
-    elif tma == 1:
-        _ensure_allocator()
+    choice = None if config is None else (*config, loads[0])  # a given config reads through the first load kind
     tune_key = None
-    if config is None:  # the autotuner's key (its key names and the inputs' dtypes)
-        tune_key = (args[-2], args[-1], *meta.values(), q.dtype, bias.dtype, tbias.dtype, q.device)
-        config = _TUNED.get(tune_key)
+    if choice is None:  # the tuner's key: what the kernel specialises on, and the load kinds it may choose
+        tune_key = (args[-2], args[-1], *meta.values(), loads, q.dtype, bias.dtype, tbias.dtype, q.device)
+        choice = _TUNED.get(tune_key)
 
-    def launch(config):
-        bm, bn, warps, stages = config
+    def launch(choice):
+        bm, bn, warps, stages, tma = choice
         grid = (-(-lq // bm), b * h)
         run_args = _with_descriptors(args, bm, bn, block_d, block_d_rem) if tma == 2 else args
+        run_meta = {**meta, "TMA": tma, "BLOCK_M": bm, "BLOCK_N": bn}
         if interpreter:
-            _fwd_kernel[grid](*run_args, **meta, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
+            _fwd_kernel[grid](*run_args, **run_meta, num_warps=warps, num_stages=stages)
         else:
-            _fwd_launch(grid, run_args, {**meta, "BLOCK_M": bm, "BLOCK_N": bn}, warps, stages)
+            if tma == 1:
+                _ensure_allocator()
+            _fwd_launch(grid, run_args, run_meta, warps, stages)
 
-    if config is not None:
-        launch(config)
-    elif not autotuning() or tma == 2:  # Triton's autotuner cannot rebuild the host's descriptors per config
-        _TUNED[tune_key] = first_that_fits(launch, candidates(block_d + block_d_rem, has_bias or has_mask))
+    if choice is not None:
+        launch(choice)
     else:
-        grid = lambda cfg: (triton.cdiv(lq, cfg["BLOCK_M"]), b * h)  # noqa: E731
-        _fwd_tuned[grid](*args, **meta)
-        best = _fwd_tuned.best_config
-        _TUNED[tune_key] = (best.kwargs["BLOCK_M"], best.kwargs["BLOCK_N"], best.num_warps, best.num_stages)
+        tried = launch_candidates(block_d + block_d_rem, has_bias or has_mask, loads)
+        _TUNED[tune_key] = choice = (fastest if autotuning() else first_that_fits)(launch, tried)
+        launch(choice)  # the outputs of the choice itself, whatever the tuner ran last
     if width != d:  # views without the padding columns
         o, to = o[..., :d], to[..., :d]
     return o, to if has_tangent else None, lse

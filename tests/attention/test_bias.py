@@ -308,19 +308,11 @@ def test_flash_refuses_a_bias_or_mask_and_names_the_alternatives(monkeypatch):
 
 
 def test_bias_path_adds_a_launch_fallback_and_leaves_the_plain_candidates_alone():
-    """The no-bias kernel keeps its tuned candidates; the bias path also tries one that fits shared memory."""
-
-    def pick(**meta):
-        return {
-            (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages)
-            for c in kernels._prune(kernels._fwd_tuned.configs, {}, **meta)
-        }
-
+    """The no-bias kernel keeps its tuned candidates; the bias path also tries one that fits shared memory (and only
+    pointer loads: descriptors never read a bias or mask, `tma_fits`)."""
     # head dim -> its tile width's list: powers of two as before the split, the split widths their own
     for d, width in ((32, 64), (64, 64), (128, 128), (256, 256), (40, 64), (72, 80), (96, 96), (112, 128), (160, 256)):
         block_d, block_d_rem = kernels.split_head_dim(d)
-        meta = dict(BLOCK_D=block_d, BLOCK_D_REM=block_d_rem)
-        plain = pick(**meta, HAS_BIAS=False, HAS_MASK=False)
-        assert plain == set(kernels._CANDIDATES[width])
-        assert pick(**meta, HAS_BIAS=True, HAS_MASK=False) == plain | {kernels._BIAS_FALLBACK}
-        assert pick(**meta, HAS_BIAS=False, HAS_MASK=True) == plain | {kernels._BIAS_FALLBACK}
+        plain = kernels.launch_candidates(block_d + block_d_rem, False, (0,))
+        assert plain == [(*c, 0) for c in kernels._CANDIDATES[width]]
+        assert kernels.launch_candidates(block_d + block_d_rem, True, (0,)) == [*plain, (*kernels._BIAS_FALLBACK, 0)]

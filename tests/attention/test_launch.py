@@ -109,9 +109,9 @@ def test_a_launcher_that_refuses_the_arguments_turns_direct_launches_off(jit):
     assert [e[0] for e in jit.log] == ["jit", "jit", "jit"] and run.compiled == {}
 
 
-def test_untuned_keys_take_the_first_candidate_that_fits(monkeypatch):
+def test_untuned_keys_take_the_first_candidate_that_fits_and_tuned_ones_the_fastest(monkeypatch):
     """FLM_ATTENTION_AUTOTUNE=0: the first config whose launch compiles within the GPU's resources, skipping the ones
-    the autotuner would skip; when none fits, the last one's error."""
+    the autotuner would skip; when none fits, the last one's error. Tuned: the fastest of those that fit."""
     from triton.runtime.errors import OutOfResources
 
     from flm.kernels import attention_fwd as kernels
@@ -130,6 +130,17 @@ def test_untuned_keys_take_the_first_candidate_that_fits(monkeypatch):
     with pytest.raises(ZeroDivisionError):  # any other error is the caller's
         kernels.first_that_fits(lambda c: 1 / 0, [(64, 64, 4, 3), (64, 32, 4, 2)])
 
+    timings = {(128, 64, 8, 4): 0.5, (64, 64, 4, 3): 2.0, (64, 32, 4, 2): 1.0}  # the first would win, but does not fit
+    tried.clear()
+    assert kernels.fastest(launch, list(timings), bench=lambda run: timings[run.args[0]]) == (64, 32, 4, 2)
+    assert tried == list(timings)  # each compiled once (the stand-in bench does not launch)
+    with pytest.raises(OutOfResources):
+        kernels.fastest(launch, [(128, 64, 8, 4), (128, 32, 8, 4)], bench=lambda run: 1.0)
+
+    # in the order of the load kinds: host-built descriptors their own list where the width has one, else the pointers'
+    both = kernels.launch_candidates(72 + 8, False, (0, 2))
+    assert both == [*((*c, 0) for c in kernels._CANDIDATES[80]), *((*c, 2) for c in kernels._HOST_TMA_CANDIDATES[80])]
+    assert kernels.launch_candidates(96, False, (2, 1)) == [(*c, tma) for tma in (2, 1) for c in kernels._CANDIDATES[96]]
     assert kernels.candidates(80, False) == kernels._CANDIDATES[80]
     assert kernels.candidates(72 + 8, True) == [*kernels._CANDIDATES[80], kernels._BIAS_FALLBACK]
     assert kernels.candidates(192, False) == kernels._CANDIDATES[256]

@@ -1,7 +1,8 @@
 """The fused forward's tensor-descriptor loads (Hopper's TMA, `FLM_ATTENTION_TMA=1` or `host`) at real sizes on a GPU of
 compute capability 9 or more, both kinds (built by each program, or by the host per launch): bf16 and fp16 against
 float64 math and against the pointer loads, every launch candidate, the DiT's head views, and a CUDA graph (the
-device-built descriptors' scratch memory is allocated at each launch, the host-built ones are kernel arguments).
+device-built descriptors' scratch memory is allocated at each launch, the host-built ones are kernel arguments). Also
+the default (auto): the tuner's choice between pointer loads and host-built descriptors.
 
 Run on a CUDA machine: pytest -m gpu tests/attention/test_tma_gpu.py
 """
@@ -58,7 +59,7 @@ def test_every_candidate_config_reads_through_tma(d, mode):
     q, k, v, tq, tk, tv = qkv_and_tangents(2, 2, 333, 333, d, torch.bfloat16, seed=3, device="cuda")
     o_ref, to_ref = jvp64(q, k, v, tq, tk, tv)
     ran = 0
-    for config in kernels.candidates(block_d + block_d_rem, False):
+    for *config, _ in kernels.launch_candidates(block_d + block_d_rem, False, kernels._TMA_MODES[mode]):
         try:
             o, to, _ = kernels.attention_fwd(q, k, v, tq, tk, tv, causal=False, scale=d**-0.5, config=config, tma=mode)
         except kernels._UNFIT:
@@ -86,3 +87,20 @@ def test_tma_reads_the_dits_head_views_and_replays_in_a_cuda_graph(mode):
     o_ref, to_ref = jvp64(q, k, v, tq, tk, tv)
     assert rel_err(captured[0], o_ref) < TOL[torch.bfloat16] and rel_err(captured[1], to_ref) < TOL[torch.bfloat16]
     assert not torch.equal(captured[0], eager[0])
+
+
+@pytest.mark.parametrize("d", [64, 72, 128])
+def test_the_tuner_times_pointers_against_host_built_descriptors(d, monkeypatch):
+    """FLM_ATTENTION_TMA unset (auto) and the tuner on: the key records one of the pointer and host-descriptor
+    candidates, and its outputs are the pointer loads'."""
+    monkeypatch.delenv("FLM_ATTENTION_TMA", raising=False)
+    monkeypatch.setenv("FLM_ATTENTION_AUTOTUNE", "1")
+    monkeypatch.setattr(kernels, "_TUNED", {})
+    q, k, v, tq, tk, tv = qkv_and_tangents(2, 4, 512, 512, d, torch.bfloat16, seed=6, device="cuda")
+    o, to, lse = kernels.attention_fwd(q, k, v, tq, tk, tv, causal=False, scale=d**-0.5)
+    (choice,) = kernels._TUNED.values()
+    block_d, block_d_rem = kernels.split_head_dim(d)
+    assert choice in kernels.launch_candidates(block_d + block_d_rem, False, (0, 2))
+    po, pto, plse = kernels.attention_fwd(q, k, v, tq, tk, tv, causal=False, scale=d**-0.5, tma=False)
+    assert rel_err(o, po) < TOL[torch.bfloat16] and rel_err(to, pto) < TOL[torch.bfloat16]
+    assert rel_err(lse, plse) < 1e-4

@@ -388,8 +388,9 @@ def test_every_candidate_config_gives_the_jvp(case):
 
 
 def test_untuned_and_tuned_keys_pick_a_candidate(monkeypatch):
-    """FLM_ATTENTION_AUTOTUNE=0 (the test suite's setting) records the first candidate that fits, untimed; with it
-    unset the autotuner records its choice among the same candidates. Both give the same outputs."""
+    """FLM_ATTENTION_AUTOTUNE=0 (the test suite's setting) records the first candidate that fits, untimed (pointer
+    loads); with it unset the tuner records its choice among the candidates of every load kind FLM_ATTENTION_TMA allows.
+    Both give the same outputs."""
     from flm.kernels import attention_fwd as kernels
 
     q, k, v, tq, tk, tv = _qkv(2, 4, 640, 640, 64, torch.bfloat16, seed=5)
@@ -400,7 +401,7 @@ def test_untuned_and_tuned_keys_pick_a_candidate(monkeypatch):
         outputs.append(kernels.attention_fwd(q, k, v, tq, tk, tv, causal=False, scale=0.125))
         assert len(kernels._TUNED) == 1
         picks.append(next(iter(kernels._TUNED.values())))
-    assert picks[0] == kernels.candidates(64, False)[0]
-    assert picks[1] in kernels.candidates(64, False)
+    assert picks[0] == (*kernels.candidates(64, False)[0], 0)
+    assert picks[1] in kernels.launch_candidates(64, False, kernels.tma_wanted())
     for untuned, tuned in zip(*outputs):
         assert rel_err(untuned, tuned) < TOL[torch.bfloat16]

@@ -1,0 +1,19 @@
+# The fused forward's own tuner on a GPU (docs/quality.md, "Next on the H200", item a; docs/attention.md, fifty-sixth
+# day): its gpu tests, then issue 15's table through it (pointer loads against host-built descriptors, chosen per shape)
+# and issue 16's host-time table (the tuner's choice, the native-node prototype rows), alone on the GPU.
+#   LIMIT=SECONDS bash tools/gpu/tuner.sh   (no carry needed)
+set -u; cd "$(dirname "$0")/../.."; LIMIT=${LIMIT:-590}; export PYTHONPATH=$PWD T0=$(date +%s)
+left() { echo "[t=$(( $(date +%s) - T0 )) s]"; }
+rest() { echo $(( LIMIT - ($(date +%s) - T0) )); }
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+python -c "import torch, triton; print(torch.__version__, triton.__version__)"
+export TRITON_CACHE_DIR=$(mktemp -d)
+timeout 150 python -m pytest -q -m gpu tests/attention/test_tma_gpu.py tests/attention/test_triton_jvp_gpu.py \
+  -k "tuner or tuned" --tb=short > $OUT/tuner_tests.log 2>&1
+echo "tuner tests rc=$? $(left)" | tee -a $OUT/tuner_tests.log; tail -n 5 $OUT/tuner_tests.log
+timeout $(( $(rest) - 150 )) python benchmarks/attention.py --head-dims 64 72 128 --tokens 256 1024 4096 --out $OUT \
+  > $OUT/attention_bench.log 2>&1
+echo "bench rc=$? $(left)"; grep -E "^\|" $OUT/attention_bench.log | head -30
+TRITON_CACHE_DIR=$(mktemp -d) timeout $(( $(rest) - 10 )) python benchmarks/attention_host.py --head-dims 64 72 128 \
+  --tokens 4096 > $OUT/host.log 2>&1
+echo "host rc=$? $(left)"; grep -E "^\| (fwd|fused|native|SDPA fwd \+|forward)" $OUT/host.log
