@@ -4,11 +4,7 @@
 # ptxas gives 189-196 registers and no spill against 236-255 and spills for the pointer loads, sm_90a, Triton 3.8).
 # Before all that, issue 16's host-time table at 4096 tokens with the native-node prototype rows.
 #   LIMIT=SECONDS bash tools/gpu/tma.sh   (no carry needed)
-set -u; cd "$(dirname "$0")/../.."; LIMIT=${LIMIT:-590}; export PYTHONPATH=$PWD T0=$(date +%s)
-left() { echo "[t=$(( $(date +%s) - T0 )) s]"; }
-rest() { echo $(( LIMIT - ($(date +%s) - T0) )); }
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-python -c "import torch, triton; print(torch.__version__, triton.__version__)"
+set -u; cd "$(dirname "$0")/../.."; LIMIT=${LIMIT:-590}; export PYTHONPATH=$PWD; source tools/gpu/base.sh
 export TRITON_CACHE_DIR=$(mktemp -d)
 ( TRITON_CACHE_DIR=$(mktemp -d) timeout 200 python benchmarks/attention_ptxas.py > $OUT/tma_ptxas.md 2>&1 ) &  # Triton 3.6's registers
 cfg() { timeout $(( $(rest) - 10 )) python benchmarks/attention_configs.py "$@"; echo "rc=$? $(left)"; }

@@ -2,11 +2,7 @@
 # day): its gpu tests, then issue 15's table through it (pointer loads against host-built descriptors, chosen per shape)
 # and issue 16's host-time table (the tuner's choice, the native-node prototype rows), alone on the GPU.
 #   LIMIT=SECONDS bash tools/gpu/tuner.sh   (no carry needed)
-set -u; cd "$(dirname "$0")/../.."; LIMIT=${LIMIT:-590}; export PYTHONPATH=$PWD T0=$(date +%s)
-left() { echo "[t=$(( $(date +%s) - T0 )) s]"; }
-rest() { echo $(( LIMIT - ($(date +%s) - T0) )); }
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-python -c "import torch, triton; print(torch.__version__, triton.__version__)"
+set -u; cd "$(dirname "$0")/../.."; LIMIT=${LIMIT:-590}; export PYTHONPATH=$PWD; source tools/gpu/base.sh
 export TRITON_CACHE_DIR=$(mktemp -d)
 timeout 150 python -m pytest -q -m gpu tests/attention/test_tma_gpu.py tests/attention/test_triton_jvp_gpu.py \
   -k "tuner or tuned" --tb=short > $OUT/tuner_tests.log 2>&1
