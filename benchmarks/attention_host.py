@@ -13,6 +13,7 @@ entry and exit are paid once, and each call pays its own forward and its backwar
 import argparse
 import cProfile
 import io
+import os
 import pstats
 
 import torch
@@ -152,7 +153,27 @@ def layers(d: int, n: int, heads: int = 16, bh: int = 64):
         print(f"D={d}, N={n}: the native node's gradients against the fused backward's: max abs difference {err:.3g}")
     # a chain in rounds of 2, not 20: 20 chains of launches would fill the launch queue and wait for the GPU
     timed = {name: host_us(fn, calls=2, rounds=15) / CHAIN if "in a chain" in name else host_us(fn) for name, fn in rows.items()}
-    return timed, impl, fused_step
+    steps = {"fused": fused_step, "native node": native_step} if impl.endswith("cudnn") else {"fused": fused_step}
+    return timed, impl, steps
+
+
+def trace(steps: dict, d: int, n: int, folder: str) -> list[str]:
+    """A torch.profiler trace of 20 calls of each step (host activity only) into `folder`, and its op table by own
+    time: the autograd engine's device thread records each backward node's evaluation, so the tables set the Python
+    Function's node against cuDNN's native one."""
+    os.makedirs(folder, exist_ok=True)
+    tables = []
+    for name, step in steps.items():
+        step()
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            for _ in range(20):
+                step()
+            torch.cuda.synchronize()
+        prof.export_chrome_trace(os.path.join(folder, f"host_d{d}_n{n}_{name.replace(' ', '_')}.json"))
+        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20)
+        tables.append(f"## head dim {d}, {n} tokens, {name}: 20 calls, torch.profiler by own time\n{table}")
+    return tables
 
 
 def main():
@@ -160,20 +181,28 @@ def main():
     p.add_argument("--head-dims", type=int, nargs="+", default=[64, 72, 128])
     p.add_argument("--tokens", type=int, nargs="+", default=[4096])
     p.add_argument("--profile-out", default=None, help="also write the cProfile tables here")
+    p.add_argument(
+        "--trace",
+        default=None,
+        help="a folder: torch.profiler traces of 20 fused (and native-node) pairs per shape, "
+        "whose op tables (the autograd thread's nodes among them) are printed too",
+    )
     args = p.parse_args()
     print(
         f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, bf16, "
         f"batch x heads = 64; host us per call (median of 9 rounds of 20 calls)\n"
     )
-    results, impls, profiles = {}, {}, []
+    results, impls, profiles, traces = {}, {}, [], []
     for d in args.head_dims:
         for n in args.tokens:
-            results[(d, n)], impls[(d, n)], fused_step = layers(d, n)
+            results[(d, n)], impls[(d, n)], steps = layers(d, n)
+            if args.trace:
+                traces.extend(trace(steps, d, n, args.trace))
             prof = cProfile.Profile()
             prof.enable()
             for _ in range(10):  # short rounds: a full launch queue would make launches wait for the GPU
                 for _ in range(20):
-                    fused_step()
+                    steps["fused"]()
                 torch.cuda.synchronize()
             prof.disable()
             s = io.StringIO()
@@ -204,6 +233,7 @@ def main():
         with open(args.profile_out, "w") as f:
             f.write(text)
     print("\n" + text[:6000])
+    print("\n".join(traces))
 
 
 if __name__ == "__main__":

@@ -11,5 +11,5 @@ timeout $(( $(rest) - 150 )) python benchmarks/attention.py --head-dims 64 72 12
   > $OUT/attention_bench.log 2>&1
 echo "bench rc=$? $(left)"; grep -E "^\|" $OUT/attention_bench.log | head -30
 TRITON_CACHE_DIR=$(mktemp -d) timeout $(( $(rest) - 10 )) python benchmarks/attention_host.py --head-dims 64 72 128 \
-  --tokens 4096 > $OUT/host.log 2>&1
+  --tokens 4096 --trace $OUT/host_traces > $OUT/host.log 2>&1
 echo "host rc=$? $(left)"; grep -E "^\| (fwd|fused|native|SDPA fwd \+|forward)" $OUT/host.log
