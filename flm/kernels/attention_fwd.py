@@ -962,8 +962,11 @@ def attention_fwd(
         launch(choice)
     else:
         tried = launch_candidates(block_d + block_d_rem, has_bias or has_mask, loads)
-        _TUNED[tune_key] = choice = (fastest if autotuning() else first_that_fits)(launch, tried)
-        launch(choice)  # the outputs of the choice itself, whatever the tuner ran last
+        if torch.cuda.is_current_stream_capturing():  # no timing (it synchronises) and no choice kept: untimed
+            first_that_fits(launch, tried)  # the graph replays the first that fits; the next eager call tunes
+        else:
+            _TUNED[tune_key] = choice = (fastest if autotuning() else first_that_fits)(launch, tried)
+            launch(choice)  # the outputs of the choice itself, whatever the tuner ran last
     if width != d:  # views without the padding columns
         o, to = o[..., :d], to[..., :d]
     return o, to if has_tangent else None, lse

@@ -166,3 +166,23 @@ def test_tensor_descriptors_are_keyed_by_dtype_and_block_shape():
     assert launch.specialization([make(y, [1, 1, 16, 32])]) == key
     assert launch.specialization([make(x, [1, 1, 32, 32])]) != key
     assert launch.specialization([make(x.half(), [1, 1, 16, 32])]) != key
+
+
+def test_a_new_shape_inside_a_cuda_graph_capture_is_not_timed_nor_kept(monkeypatch):
+    """Timing synchronises, which a capture forbids: a shape first seen inside one launches its first candidate that
+    fits, untimed, and keeps no choice, so the next eager call tunes it. Outside a capture the tuner times and keeps."""
+    from flm.kernels import attention_fwd as kernels
+
+    launched, timed = [], []
+    monkeypatch.setattr(kernels, "interpreted", lambda: False)
+    monkeypatch.setattr(kernels, "_fwd_launch", lambda grid, args, meta, warps, stages: launched.append(meta["BLOCK_M"]))
+    monkeypatch.setattr(kernels, "fastest", lambda launch, configs: timed.append(configs) or configs[-1])
+    monkeypatch.setattr(kernels, "_TUNED", {})
+    monkeypatch.setenv("FLM_ATTENTION_AUTOTUNE", "1")
+    q, k, v = (torch.zeros(1, 2, 40, 64) for _ in range(3))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    kernels.attention_fwd(q, k, v, causal=False, scale=0.125)
+    assert launched == [kernels.candidates(64, False)[0][0]] and timed == [] and kernels._TUNED == {}
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    kernels.attention_fwd(q, k, v, causal=False, scale=0.125)
+    assert len(timed) == 1 and list(kernels._TUNED.values()) == [timed[0][-1]]
