@@ -5,12 +5,14 @@ host time per call (benchmarks/attention.py's host_us: short rounds of calls iss
 batch x heads = 64), beside SDPA's forward, backward and both. A cProfile of the fused forward + backward follows (top
 functions by own time; 10 rounds of 20 calls, the synchronisation between rounds is its own row). The chain rows run
 12 attentions in a row (each output the next query) under one autograd.grad, as a network's blocks do: the engine's
-entry and exit are paid once, and each call pays its own forward and its backward node.
+entry and exit are paid once, and each call pays its own forward and its backward node. Where cuDNN's backward is flm's
+(Hopper), the fused pair is timed again with FLM_ATTENTION_NATIVE_NODE=1 (aten's C++ node in place of flm's Function).
 
-    PYTHONPATH=. python benchmarks/attention_host.py [--head-dims 64 72 128] [--tokens 4096] [--profile-out FILE]
+    PYTHONPATH=. python benchmarks/attention_host.py [--head-dims 64 72 128] [--tokens 4096] [--profile-out FILE] [--trace DIR]
 """
 
 import argparse
+import contextlib
 import cProfile
 import io
 import os
@@ -18,11 +20,10 @@ import pstats
 
 import torch
 import triton
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import flm.attention as fa
 from benchmarks.attention import host_us
-from flm.attention import triton_jvp
+from flm.attention import native, triton_jvp
 from flm.kernels import attention_fwd as kernels
 from flm.kernels.attention_fwd import attention_fwd
 
@@ -46,33 +47,6 @@ class _Double(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad * 2
-
-
-class _NativeNode(TorchDispatchMode):
-    """A prototype, timed here only: aten's cuDNN attention op returns flm's (O, lse) instead of computing them, so
-    autograd records the op's own C++ backward node around the fused forward's output. Would that close the gap to
-    SDPA's host time that the Python Function's node leaves (issue 16)?"""
-
-    def __init__(self, o, lse):
-        super().__init__()
-        self.o, self.lse = o, lse
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._scaled_dot_product_cudnn_attention.default:
-            q, k = args[0], args[1]
-            seed = torch.empty((), dtype=torch.int64, device=q.device)  # philox seed and offset: no dropout
-            # None: undefined tensors, as cuDNN's forward returns (a defined cum_seq_q means a nested tensor)
-            return self.o, self.lse.unsqueeze(-1), None, None, q.shape[2], k.shape[2], seed, seed, None
-        return func(*args, **(kwargs or {}))
-
-
-def native_node_attention(q, k, v, tq, tk, tv, scale):
-    """The fused JVP forward without a graph, then cuDNN's native backward node around its O (_NativeNode)."""
-    with torch.no_grad():
-        o, to, lse = attention_fwd(q.detach(), k.detach(), v.detach(), tq, tk, tv, causal=False, scale=scale)
-    with _NativeNode(o, lse):
-        o = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, scale=scale)[0]
-    return o, to
 
 
 def layers(d: int, n: int, heads: int = 16, bh: int = 64):
@@ -99,12 +73,7 @@ def layers(d: int, n: int, heads: int = 16, bh: int = 64):
             x = attend(x)
         return torch.autograd.grad(x, (qg, kg, vg), do)
 
-    def native_step():
-        o, _ = native_node_attention(qg, kg, vg, tq, tk, tv, scale)
-        return torch.autograd.grad(o, (qg, kg, vg), do)
-
     fused_attend = lambda x: fa.jvp_attention(x, kg, vg, tq, tk, tv)[0]  # noqa: E731
-    native_attend = lambda x: native_node_attention(x, kg, vg, tq, tk, tv, scale)[0]  # noqa: E731
     sdpa_attend = lambda x: sdpa(x, kg, vg)  # noqa: E731
 
     def former(name, replacement):
@@ -141,20 +110,44 @@ def layers(d: int, n: int, heads: int = 16, bh: int = 64):
         "SDPA fwd + bwd, autograd.grad": lambda: torch.autograd.grad(sdpa(qg, kg, vg), (qg, kg, vg), do),
         f"fused fwd + bwd, {CHAIN} in a chain, per call": lambda: chain(fused_attend),
         f"SDPA fwd + bwd, {CHAIN} in a chain, per call": lambda: chain(sdpa_attend),
-        "fwd + bwd: fused forward, cuDNN's native node (prototype), autograd.grad": native_step,
-        f"fused forward, cuDNN's native node (prototype), {CHAIN} in a chain, per call": lambda: chain(native_attend),
         "2 x, native op, fwd + bwd": lambda: torch.autograd.grad(qg * 2, (qg,), do),
         "2 x, Python autograd.Function, fwd + bwd": lambda: torch.autograd.grad(_Double.apply(qg), (qg,), do),
     }
-    if not impl.endswith("cudnn"):
-        rows = {name: fn for name, fn in rows.items() if "prototype" not in name}
-    else:
-        err = max((a.float() - b.float()).abs().max().item() for a, b in zip(native_step(), fused_step()))
-        print(f"D={d}, N={n}: the native node's gradients against the fused backward's: max abs difference {err:.3g}")
-    # a chain in rounds of 2, not 20: 20 chains of launches would fill the launch queue and wait for the GPU
-    timed = {name: host_us(fn, calls=2, rounds=15) / CHAIN if "in a chain" in name else host_us(fn) for name, fn in rows.items()}
-    steps = {"fused": fused_step, "native node": native_step} if impl.endswith("cudnn") else {"fused": fused_step}
+    # the same calls with FLM_ATTENTION_NATIVE_NODE=1 (flm.attention.native), where cuDNN's backward is flm's
+    native_rows = {NATIVE: fused_step, NATIVE_CHAIN: lambda: chain(fused_attend)} if impl.endswith("cudnn") else {}
+    with native_node(True):
+        if native_rows:
+            err = max((a.float() - b.float()).abs().max().item() for a, b in zip(fused_step(), native_node(False)(fused_step)()))
+            print(f"D={d}, N={n}: the native node's gradients against flm's Function's: max abs difference {err:.3g}")
+        timed_native = {name: _timed(name, fn) for name, fn in native_rows.items()}
+    timed = {name: _timed(name, fn) for name, fn in rows.items()} | timed_native
+    steps = {"fused": fused_step}
+    if native_rows:
+        steps["native node"] = native_node(True)(fused_step)
     return timed, impl, steps
+
+
+NATIVE = "fwd + bwd: fused, native node (FLM_ATTENTION_NATIVE_NODE=1), autograd.grad"
+NATIVE_CHAIN = f"fused fwd + bwd, native node, {CHAIN} in a chain, per call"
+
+
+def _timed(name: str, fn) -> float:
+    # a chain in rounds of 2, not 20: 20 chains of launches would fill the launch queue and wait for the GPU
+    return host_us(fn, calls=2, rounds=15) / CHAIN if "in a chain" in name else host_us(fn)
+
+
+@contextlib.contextmanager
+def native_node(on: bool):
+    """FLM_ATTENTION_NATIVE_NODE set to `on` inside (also as a decorator), as it was after."""
+    kept = os.environ.get(native.ENV)
+    os.environ[native.ENV] = "1" if on else "0"
+    try:
+        yield
+    finally:
+        if kept is None:
+            del os.environ[native.ENV]
+        else:
+            os.environ[native.ENV] = kept
 
 
 def trace(steps: dict, d: int, n: int, folder: str) -> list[str]:
@@ -221,12 +214,9 @@ def main():
         + " | ".join(f"{results[c][fused] / results[c][plain]:.2f}x" for c in cols)
         + " |"
     )
-    for label, proto, sdpa in (
-        ("alone", "fwd + bwd: fused forward, cuDNN's native node (prototype), autograd.grad", "SDPA fwd + bwd, autograd.grad"),
-        ("in a chain", f"fused forward, cuDNN's native node (prototype), {CHAIN} in a chain, per call", plain),
-    ):
-        ratios = [results[c][proto] / results[c][sdpa] if proto in results[c] else float("nan") for c in cols]
-        print(f"| native node (prototype) / SDPA, {label} | " + " | ".join(f"{r:.2f}x" for r in ratios) + " |")
+    for label, with_node, sdpa in (("alone", NATIVE, "SDPA fwd + bwd, autograd.grad"), ("in a chain", NATIVE_CHAIN, plain)):
+        ratios = [results[c][with_node] / results[c][sdpa] if with_node in results[c] else float("nan") for c in cols]
+        print(f"| native node / SDPA, {label} | " + " | ".join(f"{r:.2f}x" for r in ratios) + " |")
     print("| forward's tuned config and loads, backward in use | " + " | ".join(impls[c] for c in cols) + " |")
     text = "\n".join(profiles)
     if args.profile_out:

@@ -15,7 +15,8 @@ dtype and head dim a self-check on a tiny input must pass first), the flash_attn
 built-in FlashAttention-2 backward (CUDA, fp16/bf16), flm's own Triton backward (fp32, CPU interpreter).
 $FLM_ATTN_BACKWARD (auto, flash_attn, torch_fa2, cudnn, triton) forces one. With an additive bias or a
 key-padding mask it is always flm's Triton backward (the others take neither), which also returns the
-bias's gradient.
+bias's gradient. FLM_ATTENTION_NATIVE_NODE=1 records aten's C++ cuDNN node around the fused forward's output in place
+of this module's Functions (flm.attention.native).
 """
 
 import functools
@@ -27,12 +28,13 @@ from torch import Tensor
 from torch.autograd import forward_ad
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+from flm.attention import native
 from flm.attention.flash import unsupported as fa2_unsupported
 from flm.attention.inputs import unpack_duals
 from flm.attention.layout import in_q_order
 from flm.kernels.attention_bwd import attention_bwd as triton_bwd
 from flm.kernels.attention_fwd import attention_fwd, check_head_dim, interpreted
-from flm.kernels.launch import tracing
+from flm.kernels.launch import traced, tracing
 from flm.nn import signed
 
 # ---------------------------------------------------------------------------------------------
@@ -548,7 +550,23 @@ def _expand_to_logits(bias, q, k):
     return None if bias is None else bias.expand(bias.shape[0], bias.shape[1], q.shape[2], k.shape[2])
 
 
+def _native_node_wanted(q, k, v, bias, key_padding_mask) -> bool:
+    """FLM_ATTENTION_NATIVE_NODE is on and the gradient can go through aten's C++ node (flm.attention.native): eager,
+    a gradient wanted, no bias or mask, and that node's backward the one flm would run."""
+    if not native.enabled() or bias is not None or key_padding_mask is not None:
+        return False
+    if not torch.is_grad_enabled() or not (q.requires_grad or k.requires_grad or v.requires_grad):
+        return False
+    if torch.compiler.is_compiling() or traced(q):
+        return False
+    return native.fits(q, backward_impl(q))
+
+
 def attention(q, k, v, *, causal: bool, scale: float, bias=None, key_padding_mask=None) -> Tensor:
+    if _native_node_wanted(q, k, v, bias, key_padding_mask):
+        with torch.no_grad():
+            o, lse = _fwd_impl(q, k, v, causal, scale)
+        return native.node(q, k, v, o, lse, causal, scale)
     fn = _Attention if torch.compiler.is_compiling() else _AttentionWithJVP
     return fn.apply(q, k, v, causal, scale, _expand_to_logits(bias, q, k), key_padding_mask)[0]
 
@@ -556,6 +574,10 @@ def attention(q, k, v, *, causal: bool, scale: float, bias=None, key_padding_mas
 def jvp_attention(
     q, k, v, tq, tk, tv, *, causal: bool, scale: float, bias=None, bias_tangent=None, key_padding_mask=None
 ) -> tuple[Tensor, Tensor]:
+    if _native_node_wanted(q, k, v, bias, key_padding_mask):
+        with torch.no_grad():
+            o, to, lse = _jvp_fwd_impl(q, k, v, tq, tk, tv, causal, scale)
+        return native.node(q, k, v, o, lse, causal, scale), to
     # tangents never need a gradient: detaching keeps any graph they carry out of this op
     tbias = None if bias_tangent is None else _expand_to_logits(bias_tangent.detach(), q, k)
     o, to, _ = _JVPAttention.apply(
