@@ -962,7 +962,7 @@ def attention_fwd(
         launch(choice)
     else:
         tried = launch_candidates(block_d + block_d_rem, has_bias or has_mask, loads)
-        if torch.cuda.is_current_stream_capturing():  # no timing (it synchronises) and no choice kept: untimed
+        if q.is_cuda and torch.cuda.is_current_stream_capturing():  # no timing (it synchronises), no choice kept
             first_that_fits(launch, tried)  # the graph replays the first that fits; the next eager call tunes
         else:
             _TUNED[tune_key] = choice = (fastest if autotuning() else first_that_fits)(launch, tried)
