@@ -705,6 +705,12 @@ def fastest(launch, configs, bench=None):
     return min(timed)[2]
 
 
+def _capturing(x: torch.Tensor) -> bool:
+    """A CUDA graph capture is under way on the current stream (asked only for CUDA inputs: torch.cuda raises on a
+    machine without a driver)."""
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def tma_wanted() -> tuple[int, ...]:
     """The load kinds FLM_ATTENTION_TMA asks the forward's tuner to try (0 pointers, 1 tensor descriptors that each
     program builds for its head, 2 descriptors of the whole tensors that the host builds per launch; Hopper's TMA):
@@ -962,7 +968,7 @@ def attention_fwd(
         launch(choice)
     else:
         tried = launch_candidates(block_d + block_d_rem, has_bias or has_mask, loads)
-        if q.is_cuda and torch.cuda.is_current_stream_capturing():  # no timing (it synchronises), no choice kept
+        if _capturing(q):  # no timing (it synchronises), and no choice kept
             first_that_fits(launch, tried)  # the graph replays the first that fits; the next eager call tunes
         else:
             _TUNED[tune_key] = choice = (fastest if autotuning() else first_that_fits)(launch, tried)
