@@ -9,33 +9,21 @@ GradInQOrder, so cuDNN's cached backward graphs see dO in q's order as flm's own
 (flm.attention.layout). Prototype timings: docs/attention.md, fifty-sixth day.
 """
 
-import functools
-import os
-
 import torch
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from flm.attention.layout import grad_in_q_order, in_q_order
+from flm.env import switch
 
 ENV = "FLM_ATTENTION_NATIVE_NODE"
 aten = torch.ops.aten
 
 
 def enabled() -> bool:
-    """FLM_ATTENTION_NATIVE_NODE: 1 (or true, on, yes) takes the fused attention's gradient through aten's C++ node, 0
-    (or false, off, no, unset) through flm's autograd.Function. Read on every call, so scripts may set it late."""
-    return _parse(os.environ.get(ENV, "0"))
-
-
-@functools.cache
-def _parse(value: str) -> bool:
-    value = value.strip().lower()
-    if value in ("1", "true", "on", "yes"):
-        return True
-    if value in ("0", "false", "off", "no", ""):
-        return False
-    raise ValueError(f"{ENV}={value!r}: set 1 (aten's C++ backward node) or 0 (flm's autograd.Function, the default)")
+    """FLM_ATTENTION_NATIVE_NODE: 1 takes the fused attention's gradient through aten's C++ node, 0 (the default) through
+    flm's autograd.Function (flm.env.switch)."""
+    return switch(ENV, False, "aten's C++ backward node", "flm's autograd.Function")
 
 
 class _Returns(TorchDispatchMode):

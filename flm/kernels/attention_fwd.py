@@ -40,6 +40,7 @@ import triton.language as tl
 from triton.compiler.errors import CompileTimeAssertionFailure
 from triton.runtime.errors import OutOfResources, PTXASError
 
+from flm.env import switch
 from flm.kernels.launch import DirectLaunch, TensorDescriptor, hopper_or_later
 
 
@@ -664,12 +665,7 @@ def autotuning() -> bool:
     One compile per key in place of one per candidate, for test suites that launch many keys once each (tests/conftest.py
     sets it); the kernel's outputs do not depend on the config (tests/attention/test_triton_jvp_gpu.py checks every
     candidate)."""
-    value = os.environ.get("FLM_ATTENTION_AUTOTUNE", "1").strip().lower()
-    if value in ("0", "false", "off", "no"):
-        return False
-    if value in ("1", "true", "on", "yes", ""):
-        return True
-    raise ValueError(f"FLM_ATTENTION_AUTOTUNE={value!r}: set 1 (time the launch configs, the default) or 0 (the first that fits)")
+    return switch("FLM_ATTENTION_AUTOTUNE", True, "time the launch configs", "the first that fits")
 
 
 def first_that_fits(launch, configs):
@@ -971,8 +967,10 @@ def attention_fwd(
         if _capturing(q):  # no timing (it synchronises), and no choice kept
             first_that_fits(launch, tried)  # the graph replays the first that fits; the next eager call tunes
         else:
-            _TUNED[tune_key] = choice = (fastest if autotuning() else first_that_fits)(launch, tried)
-            launch(choice)  # the outputs of the choice itself, whatever the tuner ran last
+            tune = fastest if autotuning() else first_that_fits
+            _TUNED[tune_key] = choice = tune(launch, tried)
+            if tune is fastest:  # the outputs of the choice itself, whatever the timing ran last
+                launch(choice)
     if width != d:  # views without the padding columns
         o, to = o[..., :d], to[..., :d]
     return o, to if has_tangent else None, lse
