@@ -402,3 +402,14 @@ def ablate(cfg: DictConfig, run_dir: str, command: str = "python ablate.py") -> 
         json.dump({"title": title, "command": command, "tolerances": tols, "results": numbers}, f, indent=1)
     dist.info0(f"ablation: {os.path.join(run_dir, 'ablation.md')} and ablation.png")
     return results
+
+
+if __name__ == "__main__":  # `python -m flm.ablate ...` is the checkout's ablate.py (its Hydra configs live beside it)
+    import runpy
+    import sys
+
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ablate.py")
+    if not os.path.isfile(script):
+        sys.exit(f"error: {script} not found; `python -m flm.ablate` runs from a checkout of flm (configs/ beside it)")
+    sys.argv[0] = script
+    runpy.run_path(script, run_name="__main__")

@@ -3,6 +3,9 @@ per-backend metrics of `train.py -m attention=...`."""
 
 import json
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -135,3 +138,19 @@ def test_a_distilled_student_is_ablated_with_its_teacher_fake_score_and_discrimi
     numbers = json.loads((tmp_path / "ablation" / "ablation.json").read_text())
     # steps 1-2 sCD alone, 3 the fake score, 4 the student with DMD and the GAN term: the mse of the student's steps
     assert [(r["curve"], len(r["losses"])) for r in numbers["results"]] == [("mse", 3), ("mse", 3)]
+
+
+def test_module_entry_runs_the_script(tmp_path):
+    """`python -m flm.ablate` (issue 16's command) is ablate.py, not a module that imports and exits 0 doing nothing:
+    from any folder, a bad model name ends in ablate.py's one-line error and exit code 1."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "flm.ablate", "model=DiT-Nope/2", f"run_dir={tmp_path}"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "DiT-Nope/2" in proc.stderr + proc.stdout

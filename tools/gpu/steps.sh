@@ -1,9 +1,9 @@
 # Issue 16 on a GPU with FLM_ATTENTION_NATIVE_NODE off and on (docs/attention.md, fifty-sixth day): the eager and
 # graphed DiT-B/2 steps in interleaved rounds (docs/train_step.md, Run L's second command), then the issue's 256-token
 # ablation, each twice.
-#   LIMIT=SECONDS bash tools/gpu/steps.sh   (carry [".gpu"]: the ablation needs hydra)
+#   LIMIT=SECONDS [NODES="0 1"] bash tools/gpu/steps.sh   (carry [".gpu"]: the ablation needs hydra)
 set -u; cd "$(dirname "$0")/../.."; LIMIT=${LIMIT:-590}; source tools/gpu/env.sh
-for node in 0 1; do
+for node in ${NODES:-0 1}; do
   [ $(rest) -gt 120 ] || break
   echo "== FLM_ATTENTION_NATIVE_NODE=$node $(left)"
   FLM_ATTENTION_NATIVE_NODE=$node timeout $(( $(rest) / 2 )) python benchmarks/train_step.py --models DiT-B/2 --tokens 1024 \
@@ -11,9 +11,9 @@ for node in 0 1; do
     > $OUT/steps_node$node.log 2>&1
   echo "rc=$? $(left)"; grep -E "^\|" $OUT/steps_node$node.log | tail -n 8
 done
-for node in 0 1; do
+for node in ${NODES:-0 1}; do
   [ $(rest) -gt 60 ] || break
-  FLM_ATTENTION_NATIVE_NODE=$node timeout $(( $(rest) - 10 )) python -m flm.ablate model=DiT-S/2 objective=scm \
+  FLM_ATTENTION_NATIVE_NODE=$node timeout $(( $(rest) - 10 )) python ablate.py model=DiT-S/2 objective=scm \
     ablate.tokens=256 trainer.batch_size=64 trainer.max_steps=60 run_dir=runs/abl$node > $OUT/ablate_node$node.log 2>&1
   echo "ablate node=$node rc=$? $(left)"; tail -n 8 $OUT/ablate_node$node.log
 done
