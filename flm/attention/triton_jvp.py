@@ -31,7 +31,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from flm.attention import native
 from flm.attention.flash import unsupported as fa2_unsupported
 from flm.attention.inputs import unpack_duals
-from flm.attention.layout import in_q_order
+from flm.attention.layout import in_q_order, q_order
 from flm.kernels.attention_bwd import attention_bwd as triton_bwd
 from flm.kernels.attention_fwd import attention_fwd, check_head_dim, interpreted
 from flm.kernels.launch import traced, tracing
@@ -309,7 +309,9 @@ def _fwd_impl(
     bias: Tensor | None = None,
     key_padding_mask: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    o, _, lse = attention_fwd(q, k, v, causal=causal, scale=scale, bias=bias, key_padding_mask=key_padding_mask)
+    o, _, lse = attention_fwd(
+        q, k, v, causal=causal, scale=scale, bias=bias, key_padding_mask=key_padding_mask, out_order=q_order(q)
+    )
     return o, lse
 
 
@@ -346,7 +348,18 @@ def _jvp_fwd_impl(
     key_padding_mask: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     return attention_fwd(
-        q, k, v, tq, tk, tv, causal=causal, scale=scale, bias=bias, bias_tangent=bias_tangent, key_padding_mask=key_padding_mask
+        q,
+        k,
+        v,
+        tq,
+        tk,
+        tv,
+        causal=causal,
+        scale=scale,
+        bias=bias,
+        bias_tangent=bias_tangent,
+        key_padding_mask=key_padding_mask,
+        out_order=q_order(q),
     )
 
 
@@ -364,23 +377,29 @@ def _bwd_impl(
     impl = backward_impl(q)
     if impl == "cudnn" and _forced(os.environ.get(BACKWARD_ENV, "auto")) is None:
         try:
-            dq, dk, dv = BACKWARDS["cudnn"](do, q, k, v, o, lse, causal, scale)
-            return dq.contiguous(), dk.contiguous(), dv.contiguous()
+            return _like_inputs(BACKWARDS["cudnn"](do, q, k, v, o, lse, causal, scale), q, k, v)
         except RuntimeError as err:  # passed the self-check, refused these shapes: not again for such inputs
             key = (q.device, q.dtype, q.shape[-1])
             _CUDNN_VERDICTS[key] = _raised(err)
             _AUTO_IMPLS.clear()
             _warn_cudnn(key, _CUDNN_VERDICTS[key])
             impl = backward_impl(q)
+    do = do.contiguous()  # cuDNN's takes dO as it comes (in q's order from the DiT's projection); the others dense
     if impl == "flash_attn":
         try:
-            return flash_attn_bwd(do, q, k, v, o, lse, causal, scale)
+            return _like_inputs(flash_attn_bwd(do, q, k, v, o, lse, causal, scale), q, k, v)
         except TypeError as e:  # another flash_attn release with another private signature
             _warn_flash_attn_signature(e)
             impl = "torch_fa2"
-    dq, dk, dv = BACKWARDS[impl](do, q, k, v, o, lse, causal, scale)
-    # custom ops must not return views of their inputs
-    return dq.contiguous(), dk.contiguous(), dv.contiguous()
+    return _like_inputs(BACKWARDS[impl](do, q, k, v, o, lse, causal, scale), q, k, v)
+
+
+def _like_inputs(grads, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) laid out as torch.empty_like(q, k, v), the layout the backward op's fake implementation promises:
+    their own strides for dense inputs, so the gradients of the DiT's (B, L, H, D)-strided q, k, v views reach the
+    projection without the copies to and from contiguous that aten's own node does not make (a graphed DiT-B/2 step,
+    H100, fifty-seventh day: docs/train_step.md). A copy only where a backward returns another layout."""
+    return tuple(g if g.stride() == x.stride() else torch.empty_like(x).copy_(g) for g, x in zip(grads, (q, k, v)))
 
 
 _bwd_op = torch.library.custom_op("flm::attention_bwd", _bwd_impl, mutates_args=())
@@ -388,7 +407,7 @@ _bwd_op = torch.library.custom_op("flm::attention_bwd", _bwd_impl, mutates_args=
 
 @_bwd_op.register_fake
 def _(do, q, k, v, o, lse, causal, scale):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _bias_bwd_impl(
@@ -447,9 +466,9 @@ def _backward(ctx, do, bias_grad: bool):
     q, k, v, o, lse, bias, key_padding_mask = ctx.saved_tensors
     if do is None:  # gradients are not materialised: o took none
         return None, None, None, None
-    do = do.contiguous()
     if bias is None and key_padding_mask is None:
         return *_op(_bwd_op, _bwd_impl)(do, q, k, v, o, lse, ctx.causal, ctx.scale), None
+    do = do.contiguous()
     dq, dk, dv, dbias = _op(_bias_bwd_op, _bias_bwd_impl)(
         do, q, k, v, o, lse, ctx.causal, ctx.scale, bias, key_padding_mask, bias_grad
     )

@@ -855,6 +855,15 @@ def _prepare(x: torch.Tensor, width: int) -> torch.Tensor:
     return x.contiguous()
 
 
+def _empty_in_order(shape: tuple[int, ...], order: tuple[int, ...] | None, like: torch.Tensor) -> torch.Tensor:
+    """An uninitialised tensor of `shape` laid out dense in `order` (outermost first), contiguous without one. Written
+    in the DiT's (B, L, H, D) order, O reshapes for the output projection and reaches cuDNN's backward without a copy."""
+    if order is None or order[-1] != len(shape) - 1:  # the kernel writes rows of unit head-dim stride
+        order = tuple(range(len(shape)))
+    t = torch.empty([shape[i] for i in order], dtype=like.dtype, device=like.device)
+    return t.permute([order.index(i) for i in range(len(shape))])
+
+
 def attention_fwd(
     q,
     k,
@@ -870,6 +879,7 @@ def attention_fwd(
     bias_tangent=None,
     key_padding_mask=None,
     tma: bool | str | None = None,
+    out_order: tuple[int, ...] | None = None,
 ):
     """(o, to, lse) for q (B, H, Lq, D), k/v (B, H, Lkv, D); to is None without tangents.
 
@@ -881,6 +891,9 @@ def attention_fwd(
     None: FLM_ATTENTION_TMA decides (auto by default). Descriptors only where they fit (`tma_fits`).
     bias (and bias_tangent, used only with tangents): 4 dims broadcastable to (B, H, Lq, Lkv), any
     strides; key_padding_mask: bool (B, Lkv), True = attend.
+    out_order: o and to dense with their dims in this order, outermost first (flm.attention.layout.q_order: SDPA's
+    layout of O, (0, 2, 1, 3) for the DiT's views of one projection); None or an order without the head dim innermost:
+    contiguous.
     """
     b, h, lq, d = q.shape
     lkv = k.shape[2]
@@ -896,7 +909,7 @@ def attention_fwd(
     width = max(d, block_d)  # the padded width above 128, else d
     q, k, v = (_prepare(x, width) for x in (q, k, v))
     tq, tk, tv = (_prepare(x, width) for x in (tq, tk, tv)) if has_tangent else (q, k, v)
-    o = torch.empty((b, h, lq, width), dtype=q.dtype, device=q.device)
+    o = _empty_in_order((b, h, lq, width), out_order, q)
     to = torch.empty_like(o) if has_tangent else o
     lse = torch.empty((b, h, lq), dtype=torch.float32, device=q.device)
     loads = _loads(tma, (q, k, v, tq, tk, tv), has_bias, has_mask)

@@ -250,3 +250,32 @@ def test_cudnn_that_raises_later_falls_back_for_good(hopper):
     triton_jvp._CUDNN_VERDICTS.clear()
     with pytest.raises(RuntimeError, match="cuDNN refused"):
         triton_jvp._bwd_impl(do, q, k, v, o, lse, False, 32**-0.5)
+
+
+def test_gradients_keep_the_layout_of_strided_views(hopper):
+    """The DiT's q, k, v are (B, H, L, D) views of (B, L, H, D) storage. cuDNN's backward takes dO as it comes and
+    returns gradients in those strides: flm passes both through without a copy to contiguous and back (fused path
+    before the fifty-seventh day: five copies per call). A backward that returns contiguous ones (FA2 here) has them
+    copied to the inputs' strides, the layout the op's fake implementation gives torch.compile."""
+    hopper.setattr(triton_jvp, "_cudnn_self_check", lambda *key: None)
+    for probe in ("fa2_unsupported", "cudnn_unsupported"):  # CPU tensors pose as CUDA ones
+        hopper.setattr(triton_jvp, probe, lambda device, dtype, head_dim: None)
+    seen = {}
+
+    def cudnn(do, q, k, v, *rest):
+        seen["do"] = do
+        return tuple(torch.empty_like(x).copy_(g) for x, g in zip((q, k, v), _math_backward(do, q, k, v, *rest)))
+
+    hopper.setitem(triton_jvp.BACKWARDS, "cudnn", cudnn)
+    hopper.setitem(triton_jvp.BACKWARDS, "torch_fa2", lambda *args: tuple(g.contiguous() for g in _math_backward(*args)))
+    q, k, v, do = (torch.randn(1, 16, 2, 32).transpose(1, 2) for _ in range(4))  # (B, H, L, D) views
+    o, lse = torch.zeros_like(q), torch.zeros(1, 2, 16)
+    ref = grads64(q, k, v, do)
+    for impl in ("cudnn", "torch_fa2"):
+        hopper.setattr(triton_jvp, "backward_impl", lambda q, impl=impl: impl)
+        grads = triton_jvp._bwd_impl(do, q, k, v, o, lse, False, 32**-0.5)
+        fake = triton_jvp._bwd_op(*(x.to("meta") for x in (do, q, k, v, o, lse)), False, 32**-0.5)  # the fake impl
+        for got, want, x, f in zip(grads, ref, (q, k, v), fake):
+            assert got.stride() == x.stride() == f.stride(), impl
+            torch.testing.assert_close(got.double(), want)
+    assert seen["do"] is do

@@ -36,8 +36,8 @@ def no_padding(monkeypatch):
 
 
 def _assert_unpadded(x, d):
-    """x is a (B, H, L, d) tensor of its own: contiguous at width d, its storage no larger than itself."""
-    assert x.shape[-1] == d and x.is_contiguous()
+    """x is a (B, H, L, d) tensor of its own, dense at width d in q's order, its storage no larger than itself."""
+    assert x.shape[-1] == d and (x.is_contiguous() or x.transpose(1, 2).is_contiguous())  # q's order: (B, H, L) or (B, L, H)
     assert x.untyped_storage().nbytes() == x.numel() * x.element_size()
 
 

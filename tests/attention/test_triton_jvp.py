@@ -99,6 +99,11 @@ def test_non_contiguous_views_of_fusedqkv_and_tangents():
     o, to = jvp_attention(q, k, v, tq, tk, tv)
     o_ref, to_ref = jvp64(q, k, v, tq, tk, tv)
     assert rel_err(o, o_ref) < 1e-5 and rel_err(to, to_ref) < 1e-5
+    # O and its tangent come in q's (B, N, H, D) order, as SDPA's do: the DiT's (B, N, H * D) reshape for the output
+    # projection is a view, and cuDNN's backward takes O without a copy
+    for x in (o, to, attention(q, k, v, backend="triton_jvp")):
+        assert x.transpose(1, 2).is_contiguous()
+        assert x.transpose(1, 2).reshape(b, n, h * d).data_ptr() == x.data_ptr()
 
 
 def test_no_keys_gives_zeros_not_nan():
