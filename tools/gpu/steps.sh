@@ -14,6 +14,6 @@ done
 for node in ${NODES:-0 1}; do
   [ $(rest) -gt 60 ] || break
   FLM_ATTENTION_NATIVE_NODE=$node timeout $(( $(rest) - 10 )) python ablate.py model=DiT-S/2 objective=scm \
-    ablate.tokens=256 trainer.batch_size=64 trainer.max_steps=60 run_dir=runs/abl$node > $OUT/ablate_node$node.log 2>&1
-  echo "ablate node=$node rc=$? $(left)"; tail -n 8 $OUT/ablate_node$node.log
+    ablate.tokens=256 trainer.batch_size=64 trainer.max_steps=60 run_dir=runs/abl$node-$T0 > $OUT/ablate_node$node.log 2>&1
+  echo "ablate node=$node rc=$? $(left)"; grep "^| " runs/abl$node-$T0/ablation.md || tail -n 8 $OUT/ablate_node$node.log
 done
