@@ -395,11 +395,12 @@ def _bwd_impl(
 
 
 def _like_inputs(grads, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """(dq, dk, dv) laid out as torch.empty_like(q, k, v), the layout the backward op's fake implementation promises:
-    their own strides for dense inputs, so the gradients of the DiT's (B, L, H, D)-strided q, k, v views reach the
-    projection without the copies to and from contiguous that aten's own node does not make (a graphed DiT-B/2 step,
-    H100, fifty-seventh day: docs/train_step.md). A copy only where a backward returns another layout."""
-    return tuple(g if g.stride() == x.stride() else torch.empty_like(x).copy_(g) for g, x in zip(grads, (q, k, v)))
+    """(dq, dk, dv) dense in q's, k's and v's stride order (`in_q_order`), as cuDNN's backward allocates them and the
+    backward op's fake implementation promises: for the DiT's (B, H, L, D) views of one projection, (B, L, H, D)
+    storage, which reaches the projection's gradient without the copies to and from contiguous that aten's own node
+    does not make (a graphed DiT-B/2 step, H100, fifty-seventh day: docs/train_step.md, Run Q). A copy only where a
+    backward returns another layout."""
+    return tuple(in_q_order(g, x) for g, x in zip(grads, (q, k, v)))
 
 
 _bwd_op = torch.library.custom_op("flm::attention_bwd", _bwd_impl, mutates_args=())
@@ -407,7 +408,7 @@ _bwd_op = torch.library.custom_op("flm::attention_bwd", _bwd_impl, mutates_args=
 
 @_bwd_op.register_fake
 def _(do, q, k, v, o, lse, causal, scale):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return tuple(in_q_order(x.new_empty(x.shape), x) for x in (q, k, v))  # _like_inputs's layout
 
 
 def _bias_bwd_impl(

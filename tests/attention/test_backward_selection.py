@@ -8,6 +8,7 @@ import warnings
 import pytest
 import torch
 
+from flm.attention.layout import in_q_order
 from flm.attention import attention, triton_jvp
 from tests.attention.reference import grads64
 
@@ -253,29 +254,33 @@ def test_cudnn_that_raises_later_falls_back_for_good(hopper):
 
 
 def test_gradients_keep_the_layout_of_strided_views(hopper):
-    """The DiT's q, k, v are (B, H, L, D) views of (B, L, H, D) storage. cuDNN's backward takes dO as it comes and
-    returns gradients in those strides: flm passes both through without a copy to contiguous and back (fused path
-    before the fifty-seventh day: five copies per call). A backward that returns contiguous ones (FA2 here) has them
-    copied to the inputs' strides, the layout the op's fake implementation gives torch.compile."""
+    """The DiT's q, k, v are (B, H, L, D) views of one (B, L, 3, H, D) projection. cuDNN's backward takes dO as it comes
+    and allocates the gradients dense in q's stride order ((B, L, H, D) storage): flm passes both through without a
+    copy to contiguous and back (the fused path before the fifty-seventh day: five copies per call). A backward that
+    returns contiguous gradients (FA2 here) has them laid out so too, the layout the op's fake implementation gives
+    torch.compile."""
     hopper.setattr(triton_jvp, "_cudnn_self_check", lambda *key: None)
     for probe in ("fa2_unsupported", "cudnn_unsupported"):  # CPU tensors pose as CUDA ones
         hopper.setattr(triton_jvp, probe, lambda device, dtype, head_dim: None)
     seen = {}
 
-    def cudnn(do, q, k, v, *rest):
-        seen["do"] = do
-        return tuple(torch.empty_like(x).copy_(g) for x, g in zip((q, k, v), _math_backward(do, q, k, v, *rest)))
+    def cudnn(do, q, k, v, *rest):  # as PyTorch's cuDNN backward allocates dq, dk, dv: dense in q's, k's, v's order
+        seen["do"], seen["grads"] = do, tuple(in_q_order(g, x) for g, x in zip(_math_backward(do, q, k, v, *rest), (q, k, v)))
+        return seen["grads"]
 
     hopper.setitem(triton_jvp.BACKWARDS, "cudnn", cudnn)
     hopper.setitem(triton_jvp.BACKWARDS, "torch_fa2", lambda *args: tuple(g.contiguous() for g in _math_backward(*args)))
-    q, k, v, do = (torch.randn(1, 16, 2, 32).transpose(1, 2) for _ in range(4))  # (B, H, L, D) views
-    o, lse = torch.zeros_like(q), torch.zeros(1, 2, 16)
+    q, k, v = torch.randn(1, 16, 3, 2, 32).permute(2, 0, 3, 1, 4).unbind(0)  # (B, H, L, D) views, not dense
+    do = torch.randn(1, 16, 2, 32).transpose(1, 2)  # the output projection's gradient, in q's order
+    o, lse = torch.zeros_like(do), torch.zeros(1, 2, 16)
     ref = grads64(q, k, v, do)
     for impl in ("cudnn", "torch_fa2"):
         hopper.setattr(triton_jvp, "backward_impl", lambda q, impl=impl: impl)
         grads = triton_jvp._bwd_impl(do, q, k, v, o, lse, False, 32**-0.5)
         fake = triton_jvp._bwd_op(*(x.to("meta") for x in (do, q, k, v, o, lse)), False, 32**-0.5)  # the fake impl
-        for got, want, x, f in zip(grads, ref, (q, k, v), fake):
-            assert got.stride() == x.stride() == f.stride(), impl
+        for got, want, f in zip(grads, ref, fake):
+            assert got.transpose(1, 2).is_contiguous() and got.stride() == f.stride(), impl
             torch.testing.assert_close(got.double(), want)
     assert seen["do"] is do
+    hopper.setattr(triton_jvp, "backward_impl", lambda q: "cudnn")
+    assert all(g is h for g, h in zip(triton_jvp._bwd_impl(do, q, k, v, o, lse, False, 32**-0.5), seen["grads"]))
