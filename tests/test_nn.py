@@ -97,6 +97,30 @@ def test_dual_tangent_has_no_graph(case):
     torch.testing.assert_close(y_t, y_ref_t.detach(), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("case", list(CASES))
+def test_saved_tensors_detached_only_while_a_dual_level_is_open(case):
+    """A layer detaches what it saves only where tangents can exist (a flow-matching step has none: its detaches were a
+    seventh of its aten ops); under a dual level it detaches, so that no saved activation keeps its tangent alive."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Detaches(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += func.overloadpacket is torch.ops.aten.detach
+            return func(*args, **(kwargs or {}))
+
+    layer, _, shapes = CASES[case]
+    r = _inputs(torch.float32, seed=3)
+    args = [r(*s) for s in shapes]
+    with Detaches() as plain:
+        layer(*args)
+    assert plain.n == 0
+    with forward_ad.dual_level(), Detaches() as dual:
+        y = layer(*[forward_ad.make_dual(a, torch.randn_like(a)) for a in args])
+    assert dual.n > 0 and y.grad_fn is not None
+
+
 def test_tangent_of_weightless_input_only():
     """Only x carries a tangent (the usual case: weights have none); the weights' tangent is zero."""
     r = _inputs(torch.float32)
