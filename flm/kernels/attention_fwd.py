@@ -683,10 +683,10 @@ def first_that_fits(launch, configs):
 
 
 def fastest(launch, configs, bench=None):
-    """The one of `configs` whose `launch(config)` takes least GPU time (the median of triton.testing.do_bench, as
-    Triton's autotuner times a config), skipping those that do not fit (first_that_fits's errors); the last error when
-    none fits. flm tunes the forward itself: Triton's autotuner cannot build a config's host-side tensor descriptors."""
-    bench = bench or functools.partial(triton.testing.do_bench, return_mode="median")
+    """The one of `configs` whose `launch(config)` takes least GPU time (`gpu_time`), skipping those that do not fit
+    (first_that_fits's errors); the last error when none fits. flm tunes the forward itself: Triton's autotuner cannot
+    build a config's host-side tensor descriptors."""
+    bench = bench or gpu_time
     timed, error = [], None
     for i, config in enumerate(configs):
         run = functools.partial(launch, config)
@@ -699,6 +699,19 @@ def fastest(launch, configs, bench=None):
     if not timed:
         raise error if error is not None else ValueError("no launch configuration to try")
     return min(timed)[2]
+
+
+def gpu_time(fn) -> float:
+    """Milliseconds of GPU time per call of fn, the median of replays of a CUDA graph of repeated calls (Triton's
+    do_bench_cudagraph, what Triton's autotuner uses with use_cuda_graph), so a launch's host time does not count: a
+    graphed step does not pay it. triton.testing.do_bench, which the tuner used first, brackets each call with events;
+    where the host takes longer to launch than do_bench's cache flush runs (a 256-token launch with host-built
+    descriptors costs 27-96 us more host time), the GPU's wait counted. So at 256 tokens the tuned forward ran at the
+    pointer loads' speed, 1.10-1.14x below the host-built descriptors' on the GPU (H100, docs/attention.md, fifty-seventh
+    day)."""
+    # the timing runs on a stream of its own: the inputs must be written and the outputs' memory free of pending work
+    torch.cuda.synchronize()
+    return triton.testing.do_bench_cudagraph(fn, rep=20, return_mode="median")
 
 
 def _capturing(x: torch.Tensor) -> bool:

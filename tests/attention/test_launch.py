@@ -137,6 +137,21 @@ def test_untuned_keys_take_the_first_candidate_that_fits_and_tuned_ones_the_fast
     with pytest.raises(OutOfResources):
         kernels.fastest(launch, [(128, 64, 8, 4), (128, 32, 8, 4)], bench=lambda run: 1.0)
 
+    # by default each candidate's GPU time comes from replays of a CUDA graph, after a synchronize: the timing runs on a
+    # stream of its own, and do_bench's per-call events counted the host's launch where it outlasted the cache flush
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: calls.append("synchronize"))
+
+    def replays(fn, rep, return_mode):
+        calls.append(("graph", return_mode))
+        fn()
+        return timings[tried[-1]]
+
+    monkeypatch.setattr(kernels.triton.testing, "do_bench_cudagraph", replays)
+    tried.clear()
+    assert kernels.fastest(launch, list(timings)) == (64, 32, 4, 2)
+    assert calls == ["synchronize", ("graph", "median")] * 2
+
     # in the order of the load kinds: host-built descriptors their own list where the width has one, else the pointers'
     both = kernels.launch_candidates(72 + 8, False, (0, 2))
     assert both == [*((*c, 0) for c in kernels._CANDIDATES[80]), *((*c, 2) for c in kernels._HOST_TMA_CANDIDATES[80])]
