@@ -56,8 +56,7 @@ def layers(d: int, n: int, heads: int = 16, bh: int = 64):
     do = torch.randn_like(q)
     scale = d**-0.5
     o, _, lse = attention_fwd(q, k, v, tq, tk, tv, causal=False, scale=scale)
-    bm, bn, warps, stages, tma = next(reversed(kernels._TUNED.values()))  # the tuner's choice for these shapes
-    impl = f"fwd {bm}x{bn}x{warps}x{stages} {('pointers', 'tma', 'tma-host')[tma]}, bwd {triton_jvp.backward_impl(q)}"
+    impl = f"fwd {kernels.last_choice()}, bwd {triton_jvp.backward_impl(q)}"  # the tuner's choice for these shapes
     sdpa = torch.nn.functional.scaled_dot_product_attention
     so = sdpa(qg, kg, vg)
 

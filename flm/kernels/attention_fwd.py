@@ -701,6 +701,13 @@ def fastest(launch, configs, bench=None):
     return min(timed)[2]
 
 
+def last_choice() -> str:
+    """The tuner's latest choice (the last shape it tuned), as `BLOCK_MxBLOCK_Nxwarpsxstages loads`: what a benchmark
+    row ran."""
+    bm, bn, warps, stages, loads = next(reversed(_TUNED.values()))
+    return f"{bm}x{bn}x{warps}x{stages} {('pointers', 'tma', 'tma-host')[loads]}"
+
+
 def gpu_time(fn) -> float:
     """Milliseconds of GPU time per call of fn, the median of replays of a CUDA graph of repeated calls (Triton's
     do_bench_cudagraph, what Triton's autotuner uses with use_cuda_graph), so a launch's host time does not count: a

@@ -201,3 +201,13 @@ def test_a_new_shape_inside_a_cuda_graph_capture_is_not_timed_nor_kept(monkeypat
     monkeypatch.setattr(kernels, "_capturing", lambda x: False)
     kernels.attention_fwd(q, k, v, causal=False, scale=0.125)
     assert len(timed) == 1 and list(kernels._TUNED.values()) == [timed[0][-1]]
+
+
+def test_last_choice_names_the_latest_tuned_config(monkeypatch):
+    """What the benchmarks print as the tuned forward: the config tuned last, its load kind by name."""
+    from flm.kernels import attention_fwd as kernels
+
+    monkeypatch.setattr(kernels, "_TUNED", {"a": (128, 64, 8, 2, 0), "b": (64, 64, 4, 3, 2)})
+    assert kernels.last_choice() == "64x64x4x3 tma-host"
+    kernels._TUNED["c"] = (128, 128, 8, 3, 0)
+    assert kernels.last_choice() == "128x128x8x3 pointers"
