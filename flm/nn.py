@@ -42,7 +42,7 @@ from flm.kernels import adaln
 def _save(ctx, *tensors) -> None:
     """Save tensors for both backward and jvp (the same storage: no extra memory), detached while a forward-AD level is
     open, where they may carry tangents. Outside one no tensor has a tangent, and the detaches were a seventh of a
-    flow-matching step's aten ops (317 of 2376 in a DiT-B/2 loss + backward; docs/train_step.md)."""
+    flow-matching step's aten ops (317 of 2376 in a DiT-B/2 loss + backward; cheap ones: docs/train_step.md)."""
     if _dual_level_open():
         tensors = tuple(None if t is None else t.detach() for t in tensors)
     ctx.save_for_backward(*tensors)
