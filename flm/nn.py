@@ -51,8 +51,8 @@ def _save(ctx, *tensors) -> None:
 
 def _dual_level_open() -> bool:
     """A forward-AD level is open (forward_ad.dual_level, which torch.func.jvp enters too): only then can a tensor carry a
-    tangent. forward_ad.unpack_dual reads the same module state."""
-    return forward_ad._current_level >= 0
+    tangent. forward_ad.unpack_dual reads the same module state; a torch without it counts as open (always detach)."""
+    return getattr(forward_ad, "_current_level", 0) >= 0
 
 
 def _sum_to(g: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
