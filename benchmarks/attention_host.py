@@ -56,7 +56,8 @@ def layers(d: int, n: int, heads: int = 16, bh: int = 64):
     do = torch.randn_like(q)
     scale = d**-0.5
     o, _, lse = attention_fwd(q, k, v, tq, tk, tv, causal=False, scale=scale)
-    impl = f"fwd {kernels.last_choice()}, bwd {triton_jvp.backward_impl(q)}"  # the tuner's choice for these shapes
+    backward = triton_jvp.backward_impl(q)
+    impl = f"fwd {kernels.last_choice()}, bwd {backward}"  # the tuner's choice for these shapes
     sdpa = torch.nn.functional.scaled_dot_product_attention
     so = sdpa(qg, kg, vg)
 
@@ -99,9 +100,7 @@ def layers(d: int, n: int, heads: int = 16, bh: int = 64):
             qg, kg, vg, tq, tk, tv, causal=False, scale=scale
         ),
         "fwd: flm.attention.jvp_attention (+ input checks)": lambda: fa.jvp_attention(qg, kg, vg, tq, tk, tv),
-        "bwd: the backward in use, called directly": lambda: triton_jvp.BACKWARDS[triton_jvp.backward_impl(q)](
-            do, q, k, v, o, lse, False, scale
-        ),
+        "bwd: the backward in use, called directly": lambda: triton_jvp.BACKWARDS[backward](do, q, k, v, o, lse, False, scale),
         "bwd: _bwd_impl (+ choice of backward)": lambda: triton_jvp._bwd_impl(do, q, k, v, o, lse, False, scale),
         "fwd + bwd: fused, autograd.grad": fused_step,
         "SDPA fwd (no grad)": lambda: sdpa(q, k, v),
@@ -113,7 +112,7 @@ def layers(d: int, n: int, heads: int = 16, bh: int = 64):
         "2 x, Python autograd.Function, fwd + bwd": lambda: torch.autograd.grad(_Double.apply(qg), (qg,), do),
     }
     # the same calls with FLM_ATTENTION_NATIVE_NODE=1 (flm.attention.native), where cuDNN's backward is flm's
-    native_rows = {NATIVE: fused_step, NATIVE_CHAIN: lambda: chain(fused_attend)} if impl.endswith("cudnn") else {}
+    native_rows = {NATIVE: fused_step, NATIVE_CHAIN: lambda: chain(fused_attend)} if backward == "cudnn" else {}
     with native_node(True):
         if native_rows:
             err = max((a.float() - b.float()).abs().max().item() for a, b in zip(fused_step(), native_node(False)(fused_step)()))

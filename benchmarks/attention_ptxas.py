@@ -21,7 +21,7 @@ from flm.kernels import attention_fwd as kernels
 
 _POINTERS = {"Q", "K", "V", "TQ", "TK", "TV", "O", "TO", "LSE", "BIAS", "TBIAS", "KPM", "QR", "KR", "VR", "TQR", "TKR", "TVR"}
 _INPUTS = ["Q", "K", "V", "TQ", "TK", "TV"]  # and their remainder's QR ... TVR: descriptors when the host builds them
-LOADS = {"pointers": 0, "tma": 1, "tma-host": 2}
+LOADS = {name: tma for tma, name in enumerate(kernels.LOAD_NAMES)}
 _BIAS_STRIDES = {"stride_bb", "stride_bh", "stride_bm", "stride_bn", "stride_tbb", "stride_tbh", "stride_tbm", "stride_tbn"}
 
 

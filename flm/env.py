@@ -4,6 +4,10 @@ import functools
 import os
 
 
+ON = ("1", "true", "on", "yes")
+OFF = ("0", "false", "off", "no")
+
+
 def switch(name: str, default: bool, on: str, off: str) -> bool:
     """The environment variable `name` as a switch: 1 (or true, on, yes), 0 (or false, off, no), unset or empty the
     default. Read on every call, so scripts and tests may set it late; `on` and `off` say what each value does, for the
@@ -14,9 +18,9 @@ def switch(name: str, default: bool, on: str, off: str) -> bool:
 @functools.cache
 def _parse(name: str, value: str, default: bool, on: str, off: str) -> bool:
     value = value.strip().lower()
-    if value in ("1", "true", "on", "yes"):
+    if value in ON:
         return True
-    if value in ("0", "false", "off", "no"):
+    if value in OFF:
         return False
     if value == "":
         return default

@@ -40,7 +40,7 @@ import triton.language as tl
 from triton.compiler.errors import CompileTimeAssertionFailure
 from triton.runtime.errors import OutOfResources, PTXASError
 
-from flm.env import switch
+from flm import env
 from flm.kernels.launch import DirectLaunch, TensorDescriptor, hopper_or_later
 
 
@@ -665,7 +665,7 @@ def autotuning() -> bool:
     One compile per key in place of one per candidate, for test suites that launch many keys once each (tests/conftest.py
     sets it); the kernel's outputs do not depend on the config (tests/attention/test_triton_jvp_gpu.py checks every
     candidate)."""
-    return switch("FLM_ATTENTION_AUTOTUNE", True, "time the launch configs", "the first that fits")
+    return env.switch("FLM_ATTENTION_AUTOTUNE", True, "time the launch configs", "the first that fits")
 
 
 def first_that_fits(launch, configs):
@@ -705,7 +705,11 @@ def last_choice() -> str:
     """The tuner's latest choice (the last shape it tuned), as `BLOCK_MxBLOCK_Nxwarpsxstages loads`: what a benchmark
     row ran."""
     bm, bn, warps, stages, loads = next(reversed(_TUNED.values()))
-    return f"{bm}x{bn}x{warps}x{stages} {('pointers', 'tma', 'tma-host')[loads]}"
+    return f"{bm}x{bn}x{warps}x{stages} {LOAD_NAMES[loads]}"
+
+
+# the load kinds by their TMA value, as the benchmarks name them
+LOAD_NAMES = ("pointers", "tma", "tma-host")
 
 
 def gpu_time(fn) -> float:
@@ -745,8 +749,8 @@ def tma_wanted() -> tuple[int, ...]:
 
 _TMA_MODES = {
     **dict.fromkeys(("auto", ""), (0, 2)),
-    **dict.fromkeys(("0", "false", "off", "no"), (0,)),
-    **dict.fromkeys(("1", "true", "on", "yes", "device"), (1,)),
+    **dict.fromkeys(env.OFF, (0,)),
+    **dict.fromkeys((*env.ON, "device"), (1,)),
     **dict.fromkeys(("2", "host"), (2,)),
 }
 
