@@ -4,6 +4,7 @@ per-backend metrics of `train.py -m attention=...`."""
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 
@@ -154,3 +155,16 @@ def test_module_entry_runs_the_script(tmp_path):
     )
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "DiT-Nope/2" in proc.stderr + proc.stdout
+
+
+def test_module_entry_outside_a_checkout_says_where_it_runs(tmp_path):
+    """flm without its checkout around it (no ablate.py beside the package): one line naming the missing script, exit 1."""
+    shutil.copytree(ROOT / "flm", tmp_path / "flm", ignore=shutil.ignore_patterns("__pycache__"))
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "flm.ablate"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: {tmp_path / 'ablate.py'} not found; `python -m flm.ablate` runs from a checkout of flm (configs/ beside it)"
+    )
