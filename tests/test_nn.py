@@ -52,12 +52,24 @@ CASES = {
 }
 
 
+def _in_dual_level(layer):
+    """layer called inside a forward-AD level, where every flm.nn layer runs its Function (outside one, `linear` and the
+    activations are their plain ops): the way to check the Functions' backward on plain inputs."""
+
+    def call(*args):
+        with forward_ad.dual_level():
+            return layer(*args)
+
+    return call
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_gradcheck_both_modes(case):
     layer, _, shapes = CASES[case]
     r = _inputs()
     args = [r(*s) for s in shapes]
     assert torch.autograd.gradcheck(layer, args, check_forward_ad=True, check_backward_ad=True)
+    assert torch.autograd.gradcheck(_in_dual_level(layer), args)  # the Function's own backward
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -70,10 +82,11 @@ def test_matches_plain_ops(case):
     y, y_ref = layer(*args), plain(*args)
     torch.testing.assert_close(y, y_ref)
     gy = torch.randn_like(y)
-    grads = torch.autograd.grad(y, args, gy)
     grads_ref = torch.autograd.grad(y_ref, args, gy)
-    for g, g_ref in zip(grads, grads_ref):
-        torch.testing.assert_close(g, g_ref, rtol=1e-4, atol=1e-5)
+    for call in (layer, _in_dual_level(layer)):  # plain ops or Function outside a dual level; the Function inside one
+        grads = torch.autograd.grad(call(*args), args, gy)
+        for g, g_ref in zip(grads, grads_ref):
+            torch.testing.assert_close(g, g_ref, rtol=1e-4, atol=1e-5)
     detached = [a.detach() for a in args]
     _, ty = torch.func.jvp(layer, tuple(detached), tuple(tangents))
     _, ty_ref = torch.func.jvp(plain, tuple(detached), tuple(tangents))
@@ -119,6 +132,18 @@ def test_saved_tensors_detached_only_while_a_dual_level_is_open(case):
     with forward_ad.dual_level(), Detaches() as dual:
         y = layer(*[forward_ad.make_dual(a, torch.randn_like(a)) for a in args])
     assert dual.n > 0 and y.grad_fn is not None
+
+
+@pytest.mark.parametrize("case", ["linear", "linear_nobias", "gelu_tanh", "silu"])
+def test_linear_and_activations_are_plain_ops_outside_a_dual_level(case):
+    """Without a forward-AD level no tensor has a tangent, and the layer records aten's own backward node (no Python
+    Function's host time: a flow-matching step); inside one it records its Function."""
+    layer, _, shapes = CASES[case]
+    r = _inputs(torch.float32, seed=4)
+    args = [r(*s) for s in shapes]
+    python_node = torch.autograd.function.BackwardCFunction
+    assert not isinstance(layer(*args).grad_fn, python_node)
+    assert isinstance(_in_dual_level(layer)(*args).grad_fn, python_node)
 
 
 def test_tangent_of_weightless_input_only():
