@@ -82,7 +82,8 @@ class Result:
     skipped: str | None = None  # why it could not run here
     curve: str = "loss"  # the metric in `losses`: mse where the objective logs it, else loss
     losses: list[float] = dataclasses.field(default_factory=list)  # one per step
-    step_ms: float | None = None  # median after the warm-up steps
+    step_ms: float | None = None  # median after the warm-up steps; with repeats, the median of the runs' medians
+    step_ms_runs: list[float] = dataclasses.field(default_factory=list)  # each run's median, in the order they ran
     images_per_s: float | None = None
     peak_gib: float | None = None  # CUDA only
     grads: dict[str, torch.Tensor] | None = None  # from probe(), float32 on the CPU
@@ -154,6 +155,29 @@ def train_with(
         peak_gib=max((r["gpu_mem_gib"] for r in records if "gpu_mem_gib" in r), default=None),
     )
     return result, trained
+
+
+def time_again(cfg: DictConfig, results: list[Result], run_dir: str, side: int | None, warmup: int, repeats: int) -> None:
+    """Train every backend of `results` repeats - 1 more times, in reversed order each round (math, sdpa, triton_jvp,
+    then triton_jvp, sdpa, math, ...), and give each the median of its runs' step times: one after the other, the
+    backends' runs meet a host whose speed drifts (20 % between two calls on an H100, docs/train_step.md Run Q), which a
+    palindromic order cancels to first order. Only the timing is taken from the repeats; their folders keep metrics.jsonl
+    (run_dir/repeats/<backend>-<round>)."""
+    order = list(results)
+    for round_ in range(2, repeats + 1):
+        order.reverse()
+        for result in order:
+            dist.info0(f"ablation: {result.backend}, timing run {round_} of {repeats}")
+            again, _ = train_with(
+                cfg, result.backend, os.path.join(run_dir, "repeats", f"{result.backend}-{round_}"), side, warmup, False
+            )
+            if again.skipped:  # out of memory this time: the runs that did run still time it
+                dist.info0(f"ablation: {result.backend}'s timing run {round_} skipped ({again.skipped})")
+                continue
+            result.step_ms_runs.append(again.step_ms)
+    for result in results:
+        result.step_ms = statistics.median(result.step_ms_runs)
+        result.images_per_s = cfg.trainer.batch_size * 1000 / result.step_ms
 
 
 def probe(
@@ -257,6 +281,11 @@ def _fmt(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _spread(runs: list[float]) -> str:
+    """' (min-max over N runs)' for a backend timed more than once, else nothing."""
+    return f" ({min(runs):.1f}-{max(runs):.1f}, {len(runs)} runs)" if len(runs) > 1 else ""
+
+
 def table(results: list[Result], title: str, lines: list[str], curve: str) -> str:
     out = [
         f"# {title}",
@@ -281,7 +310,7 @@ def table(results: list[Result], title: str, lines: list[str], curve: str) -> st
             " | ".join(
                 [
                     f"| {r.backend}",
-                    _fmt(r.step_ms, ".1f"),
+                    _fmt(r.step_ms, ".1f") + _spread(r.step_ms_runs),
                     _fmt(r.images_per_s, ".1f"),
                     peak,
                     _fmt(r.losses[-1] if r.losses else None, ".4f"),
@@ -353,6 +382,9 @@ def ablate(cfg: DictConfig, run_dir: str, command: str = "python ablate.py") -> 
         raise ValueError(
             f"ablate.backends has unknown attention backend(s) {', '.join(unknown)}; valid names: {', '.join(BACKENDS)}"
         )
+    repeats = a.repeats
+    if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
+        raise ValueError(f"ablate.repeats must be a whole number of runs, 1 or more; got {repeats!r}")
     model = cfg.model.name
     side = image_side(model, a.tokens)
     device = dist.init(cfg.trainer.device)
@@ -367,8 +399,10 @@ def ablate(cfg: DictConfig, run_dir: str, command: str = "python ablate.py") -> 
     for backend in backends:
         dist.info0(f"ablation: {backend}")
         result, trained = train_with(cfg, backend, os.path.join(run_dir, backend), side, a.warmup, keep_weights=backend == "math")
+        result.step_ms_runs = [] if result.skipped else [result.step_ms]
         results.append(result)
         reference = reference or trained
+    time_again(cfg, [r for r in results if not r.skipped], run_dir, side, a.warmup, repeats)
     if reference is not None:  # after all the runs, so that the probes add nothing to their peak memory
         dataset = data_at(cfg, side).build()
         for r in results:
@@ -384,6 +418,12 @@ def ablate(cfg: DictConfig, run_dir: str, command: str = "python ablate.py") -> 
         f"Attention backends: {model}, {cfg.objective.name}, {tokens} tokens, batch {cfg.trainer.batch_size}, "
         f"{cfg.trainer.max_steps} steps, seed {cfg.trainer.seed}"
     )
+    timing = (
+        f"; each backend trained {repeats} times, the rounds in alternating order, the median of its runs' medians "
+        "with their range"
+        if repeats > 1
+        else ""
+    )
     lines = [
         f"Device: {environment(device, dtype)}.",
         f"Data: {cfg.data.name}" + (f" resized to {side}x{side}" if side else "") + ".",
@@ -391,7 +431,7 @@ def ablate(cfg: DictConfig, run_dir: str, command: str = "python ablate.py") -> 
         f"quarter of the steps ± its standard error (flagged beyond {tols['loss']:.0e} and 3 standard errors: bf16 "
         f"runs with different kernels follow different trajectories); grad and tangent rel err: relative L2 error of the "
         f"gradient ({tols['grad']:.0e}) and of the objective's JVP tangent ({tols['tangent']:.0e}) in one loss on the first "
-        f"batch at math's final weights. Step time: median after {a.warmup} warm-up steps.",
+        f"batch at math's final weights. Step time: median after {a.warmup} warm-up steps{timing}.",
         f"Command: `{command}`",
     ]
     with open(os.path.join(run_dir, "ablation.md"), "w") as f:

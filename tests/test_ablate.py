@@ -101,6 +101,43 @@ def test_multirun_records_metrics_per_backend(tmp_path):
         assert all(r["step_ms"] > 0 and r["images_per_s"] > 0 and math.isfinite(r["loss"]) for r in records)
 
 
+def test_repeats_time_each_backend_again_in_alternating_order(tmp_path, monkeypatch):
+    """ablate.repeats=3: every backend that ran is trained twice more for its step time, the rounds in reversed order
+    (a drifting host favours none), and its row gives the median of the three runs' medians with their range."""
+    import flm.ablate as fa
+
+    calls, train_with = [], fa.train_with
+    monkeypatch.setattr(
+        fa, "train_with", lambda cfg, backend, *args, **kw: calls.append(backend) or train_with(cfg, backend, *args, **kw)
+    )
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        cfg = compose(config_name="ablate", overrides=ABLATE + ["ablate.backends=[math,flash,sdpa]", "ablate.repeats=3"])
+    results = ablate(cfg, str(tmp_path), command="pytest")
+    assert calls == ["math", "flash", "sdpa", "sdpa", "math", "math", "sdpa"]  # flash cannot run on the CPU: not again
+    for r in results:
+        if r.backend == "flash":
+            assert r.skipped and r.step_ms_runs == [] and r.step_ms is None
+            continue
+        assert len(r.step_ms_runs) == 3 and r.step_ms == sorted(r.step_ms_runs)[1]
+        assert r.images_per_s == pytest.approx(4 * 1000 / r.step_ms)
+        cells = row((tmp_path / "ablation.md").read_text(), r.backend)
+        assert cells[1] == f"{r.step_ms:.1f} ({min(r.step_ms_runs):.1f}-{max(r.step_ms_runs):.1f}, 3 runs)"
+        assert len(r.losses) == 3  # the first run's curve
+        for round_ in (2, 3):
+            assert (tmp_path / "repeats" / f"{r.backend}-{round_}" / "metrics.jsonl").is_file()
+    numbers = json.loads((tmp_path / "ablation.json").read_text())
+    assert [len(r["step_ms_runs"]) for r in numbers["results"]] == [3, 0, 3]
+
+
+@pytest.mark.parametrize("repeats", [0, 1.5, "two"])
+def test_repeats_must_be_a_whole_number_of_runs(tmp_path, repeats):
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        cfg = compose(config_name="ablate", overrides=ABLATE + [f"ablate.repeats={repeats}"])
+    with pytest.raises(ValueError, match="ablate.repeats must be a whole number of runs, 1 or more"):
+        ablate(cfg, str(tmp_path))
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_unknown_backend_is_an_error_not_a_row(tmp_path):
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
         cfg = compose(config_name="ablate", overrides=ABLATE + ["ablate.backends=[math,fast]"])
