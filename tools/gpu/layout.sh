@@ -2,7 +2,8 @@
 # the backward copies neither dO nor the gradients. Two calls on one warm machine, both with carry [".gpu"] (hydra for
 # tests/train and the ablation):
 #   LIMIT=590 PART=tests bash tools/gpu/layout.sh   every gpu test: those outside test_tma_gpu.py / test_triton_jvp_gpu.py
-#                                                   (~100 s), then those two files (~480 s) while time is left
+#                                                   (~100 s), then those two files (~480 s) while time is left;
+#                                                   K="not every_candidate" leaves out their slowest (every config)
 #   LIMIT=590 PART=bench bash tools/gpu/layout.sh   issue 15's table through the tuner (~90 s), then steps.sh with the
 #                                                   native node off and on (graphed rows should agree)
 set -u; cd "$(dirname "$0")/../.."; LIMIT=${LIMIT:-590}; source tools/gpu/env.sh
@@ -14,7 +15,7 @@ if [ "${PART:-tests}" = tests ]; then
   for f in test_triton_jvp_gpu test_tma_gpu; do
     [ $(rest) -gt 40 ] || break
     timeout $(( $(rest) - 10 )) python -m pytest -q -m gpu tests/attention/$f.py --tb=short -p no:cacheprovider -rs \
-      > $OUT/gputests_$f.log 2>&1
+      ${K:+-k "$K"} > $OUT/gputests_$f.log 2>&1
     echo "$f rc=$? $(left)"; tail -n 3 $OUT/gputests_$f.log; grep -E "^FAILED" $OUT/gputests_$f.log
   done
 else
