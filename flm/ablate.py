@@ -160,8 +160,9 @@ def train_with(
 def time_again(cfg: DictConfig, results: list[Result], run_dir: str, side: int | None, warmup: int, repeats: int) -> None:
     """Train every backend of `results` repeats - 1 more times, in reversed order each round (math, sdpa, triton_jvp,
     then triton_jvp, sdpa, math, ...), and give each the median of its runs' step times: one after the other, the
-    backends' runs meet a host whose speed drifts (20 % between two calls on an H100, docs/train_step.md Run Q), which a
-    palindromic order cancels to first order. Only the timing is taken from the repeats; their folders keep metrics.jsonl
+    backends' runs meet a host whose speed drifts (20 % between two calls on an H100, docs/train_step.md Run Q); over an
+    even number of rounds the alternating order gives every backend the same mean position, so a drift linear in time
+    favours none (with two runs the median is their mean). Only the timing is taken from the repeats; their folders keep metrics.jsonl
     (run_dir/repeats/<backend>-<round>)."""
     order = list(results)
     for round_ in range(2, repeats + 1):
@@ -169,7 +170,12 @@ def time_again(cfg: DictConfig, results: list[Result], run_dir: str, side: int |
         for result in order:
             dist.info0(f"ablation: {result.backend}, timing run {round_} of {repeats}")
             again, _ = train_with(
-                cfg, result.backend, os.path.join(run_dir, "repeats", f"{result.backend}-{round_}"), side, warmup, False
+                cfg,
+                result.backend,
+                os.path.join(run_dir, "repeats", f"{result.backend}-{round_}"),
+                side,
+                warmup,
+                keep_weights=False,
             )
             if again.skipped:  # out of memory this time: the runs that did run still time it
                 dist.info0(f"ablation: {result.backend}'s timing run {round_} skipped ({again.skipped})")
