@@ -24,14 +24,51 @@ def stride_order(q: Tensor) -> list[int]:
 
 def q_order(q: Tensor) -> tuple[int, ...]:
     """The dim order SDPA lays its O out in for this q: contiguous for a contiguous q (whatever its size-1 dims'
-    strides), else q's stride order."""
+    strides), else q's stride order. Remembered per size and strides (`_remembered`): asked four times per attention
+    forward + backward, where working it out took ~5 us each on the CPU."""
+    return _remembered(_ORDERS, (q.shape, q.stride()), _q_order, q)
+
+
+def _q_order(q: Tensor) -> tuple[int, ...]:
     return tuple(range(q.dim())) if q.is_contiguous() else tuple(stride_order(q))
 
 
 def dense_in_order(x: Tensor, order: tuple[int, ...]) -> Tensor:
-    """x dense with its dims laid out outermost-first as `order` says; a copy only if it is not so already."""
+    """x dense with its dims laid out outermost-first as `order` says; a copy only if it is not so already. x with
+    exactly the strides of that layout returns at once (what cuDNN's gradients and flm's O come with); otherwise (a
+    size-1 dim's stride may differ and still be dense) the permuted view decides."""
+    shape = x.shape
+    if x.stride() == _remembered(_DENSE, (shape, order), _dense_strides, shape, order):
+        return x
     t = x.permute(order)
     return x if t.is_contiguous() else t.contiguous().permute([order.index(i) for i in range(x.dim())])
+
+
+def _dense_strides(shape, order: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides of a tensor of `shape` dense in `order`, outermost first."""
+    strides, step = [0] * len(shape), 1
+    for i in reversed(order):
+        strides[i] = step
+        step *= shape[i]
+    return tuple(strides)
+
+
+def _remembered(cache: dict, key, fn, *args):
+    """fn(*args), kept in `cache` under key: sizes and strides, a handful per training run (the cache is emptied if it
+    ever holds 4096). Symbolic sizes (torch.compile's dynamic shapes) cannot be keys: those are worked out each time."""
+    try:
+        found = cache.get(key)
+    except TypeError:  # an unhashable SymInt
+        return fn(*args)
+    if found is None:
+        if len(cache) >= 4096:
+            cache.clear()
+        found = cache[key] = fn(*args)
+    return found
+
+
+_ORDERS: dict = {}  # (size, stride) -> q_order
+_DENSE: dict = {}  # (size, order) -> the dense strides
 
 
 def in_q_order(x: Tensor, q: Tensor) -> Tensor:

@@ -135,3 +135,38 @@ def test_grad_in_q_order_function_is_identity_forward():
     g = torch.randn(2, 3, 5, 8)
     (back,) = torch.autograd.grad(out, o, g)
     assert back.transpose(1, 2).is_contiguous() and torch.equal(back, g)
+
+
+@pytest.mark.parametrize("q_layout", _Q_LAYOUTS)
+@pytest.mark.parametrize("x_layout", [*_DO_LAYOUTS, "size_one_dim"])
+def test_remembered_orders_and_strides_give_the_uncached_layout(q_layout, x_layout):
+    """q_order and dense_in_order remember their answers per size and strides (host time: ~25 us less per fused
+    forward + backward on the CPU); the answers are those worked out afresh, a size-1 dim's odd stride included, and x
+    comes back itself (no copy) exactly where it already is dense in q's order."""
+    from flm.attention import layout
+
+    q = _Q_LAYOUTS[q_layout]()
+    make = _DO_LAYOUTS.get(x_layout, lambda: torch.randn(2, 3, 1, 8).as_strided((2, 3, 1, 8), (24, 8, 99, 1)))
+    for _ in range(2):  # the first call fills the caches, the second reads them
+        x = make()
+        order = layout.q_order(q)
+        assert order == layout._q_order(q)
+        out = in_q_order(x, q)
+        assert torch.equal(out, x) and out.permute(order).is_contiguous()
+        assert (out is x) == x.permute(order).is_contiguous()
+
+
+def test_remembered_falls_back_where_sizes_are_symbolic():
+    """torch.compile's dynamic shapes give SymInt sizes, which cannot be dict keys: worked out each time, not kept."""
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+
+    from flm.attention import layout
+
+    env = ShapeEnv()
+    s = env.create_symintnode(env.create_symbol(5, ConstantSource("s0"), dynamic_dim=DimDynamic.DYNAMIC), hint=5)
+    cache = {}
+    assert layout._remembered(cache, (torch.Size([s, 3]), (3, 1)), lambda: "worked out") == "worked out"
+    assert cache == {}
+    assert layout._remembered(cache, ((2, 3), (3, 1)), lambda: "kept") == "kept" and cache == {((2, 3), (3, 1)): "kept"}
+    assert layout._remembered(cache, ((2, 3), (3, 1)), lambda: "not asked") == "kept"
