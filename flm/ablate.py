@@ -162,8 +162,8 @@ def time_again(cfg: DictConfig, results: list[Result], run_dir: str, side: int |
     then triton_jvp, sdpa, math, ...), and give each the median of its runs' step times: one after the other, the
     backends' runs meet a host whose speed drifts (20 % between two calls on an H100, docs/train_step.md Run Q); over an
     even number of rounds the alternating order gives every backend the same mean position, so a drift linear in time
-    favours none (with two runs the median is their mean). Only the timing is taken from the repeats; their folders keep metrics.jsonl
-    (run_dir/repeats/<backend>-<round>)."""
+    favours none (with two runs the median is their mean). Only the timing is taken from the repeats; their folders
+    keep metrics.jsonl (run_dir/repeats/<backend>-<round>)."""
     order = list(results)
     for round_ in range(2, repeats + 1):
         order.reverse()
