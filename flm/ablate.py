@@ -151,6 +151,7 @@ def train_with(
         curve=curve,
         losses=[float(r[curve]) for r in records if curve in r],
         step_ms=median_ms,
+        step_ms_runs=[median_ms],
         images_per_s=cfg.trainer.batch_size * 1000 / median_ms,
         peak_gib=max((r["gpu_mem_gib"] for r in records if "gpu_mem_gib" in r), default=None),
     )
@@ -405,7 +406,6 @@ def ablate(cfg: DictConfig, run_dir: str, command: str = "python ablate.py") -> 
     for backend in backends:
         dist.info0(f"ablation: {backend}")
         result, trained = train_with(cfg, backend, os.path.join(run_dir, backend), side, a.warmup, keep_weights=backend == "math")
-        result.step_ms_runs = [] if result.skipped else [result.step_ms]
         results.append(result)
         reference = reference or trained
     time_again(cfg, [r for r in results if not r.skipped], run_dir, side, a.warmup, repeats)

@@ -408,7 +408,7 @@ _bwd_op = torch.library.custom_op("flm::attention_bwd", _bwd_impl, mutates_args=
 
 @_bwd_op.register_fake
 def _(do, q, k, v, o, lse, causal, scale):
-    return tuple(in_q_order(x.new_empty(x.shape), x) for x in (q, k, v))  # _like_inputs's layout
+    return _like_inputs((q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)), q, k, v)
 
 
 def _bias_bwd_impl(
