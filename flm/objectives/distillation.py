@@ -180,7 +180,7 @@ class SCD(SCM):
         self.teacher, self.teacher_cfg_scale = str(teacher), check_teacher_cfg(teacher_cfg_scale)
         self.teacher_ema = check_teacher_ema(teacher_ema)
         build = functools.partial(load_teacher, self.teacher, ema=self.teacher_ema)
-        self.networks = {"teacher": Network(build=build, model_init=True)}
+        self.networks = {"teacher": Network(build=build, model_init=True, bf16_on_cuda=True)}
 
     def network_output(self, model, x_in, t, y, cfg_scale: float = 1.0):
         """F of a flow-matching network (the module docstring; guidance is linear, so it commutes). The guidance

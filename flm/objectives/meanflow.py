@@ -401,7 +401,7 @@ class MeanFlow(Curricular, nn.Module):
         self.target_ema_decay = split_ema if "ema" in (split_target, target_velocity) else None
         if teacher:
             build = functools.partial(load_teacher, teacher, ema=self.teacher_ema)
-            self.networks = {"teacher": Network(build=build, model_init=True)}
+            self.networks = {"teacher": Network(build=build, model_init=True, bf16_on_cuda=True)}
         if not (0 <= perceptual_weight < math.inf and 0 <= perceptual_t < 1):
             raise ValueError(
                 f"perceptual_weight must be a finite weight >= 0 and perceptual_t a time in [0, 1), got "

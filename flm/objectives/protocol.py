@@ -58,13 +58,16 @@ class Network:
     weights set (a teacher's loaded from its checkpoint). trainable: False for a frozen network, True
     for one with its own optimizer. optim: flm.train.OptimConfig fields that differ from the run's for
     that optimizer, e.g. {"lr": 1e-5}. model_init: the trained model starts from this network's
-    weights (at most one network of an objective sets it).
+    weights (at most one network of an objective sets it). bf16_on_cuda: a frozen network that runs only under bf16
+    autocast on CUDA (a teacher: flm.objectives.teacher.teacher_velocity and teacher_features); the loop then stores
+    its linear layers' weights in bf16 once, on a GPU where they are whole (flm.objectives.teacher.matmuls_in_bf16).
     """
 
     build: Callable[[dict], nn.Module]
     trainable: bool = False
     optim: Mapping[str, Any] = field(default_factory=dict)
     model_init: bool = False
+    bf16_on_cuda: bool = False
 
 
 NO_NETWORKS: Mapping[str, Network] = MappingProxyType({})

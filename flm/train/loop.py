@@ -48,12 +48,13 @@ from flm.latents import Decoder, LatentFiles, reference_source
 from flm.log import LoggerConfig, RunLogger, progress_line
 from flm.models import ModelConfig, build_model
 from flm.objectives import Objective
+from flm.objectives.teacher import matmuls_in_bf16
 from flm.train import checkpoint
 from flm.train.ema import EMA, ema_key
 from flm.train.evaluation import InTraining
 from flm.train.graphs import GraphedStep
 from flm.train.optim import OptimConfig, Optimizer, with_decay_steps
-from flm.train.parallel import grad_sync, wrap, wrap_copy, wrapper_syncs
+from flm.train.parallel import grad_sync, sharded, wrap, wrap_copy, wrapper_syncs
 from flm.train.sampling import class_labels, generate, save_grid
 from flm.train.settings import (
     TrainerConfig,
@@ -126,6 +127,8 @@ def build_state(
                 nn.ModuleDict({name: net}), dataclasses.replace(optim, **network.optim), replicated=unsynced(net)
             )
         else:
+            if network.bf16_on_cuda and device.type == "cuda" and not sharded(trainer.parallel):
+                matmuls_in_bf16(net)  # after start_from: the student starts from the float32 weights
             extras[name] = wrap_copy(net.requires_grad_(False).eval(), device, trainer.parallel)
     decay = getattr(objective, "target_ema_decay", None)  # an objective's target network: an EMA of the model
     if decay is not None:

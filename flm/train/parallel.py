@@ -51,9 +51,14 @@ def wrap_copy(model: nn.Module, device: torch.device, parallel: str) -> nn.Modul
     """A copy that is not trained (an EMA), placed like the trained model: sharded the same way under
     FSDP2, so averaging is shard by shard with no communication (and sampling from it takes every
     rank); whole otherwise. Call it on copies taken before wrap(), which shards the model in place."""
-    if dist.world_size() == 1 or parallel != "fsdp":
+    if not sharded(parallel):
         return model
     return _fully_shard(model, device)
+
+
+def sharded(parallel: str) -> bool:
+    """Whether wrap() and wrap_copy() shard a network's parameters (FSDP2 under torchrun), rather than keep them whole."""
+    return dist.world_size() > 1 and parallel == "fsdp"
 
 
 def _fully_shard(model: nn.Module, device: torch.device) -> nn.Module:

@@ -518,3 +518,36 @@ def test_a_given_phase_is_the_only_one_asked_for(monkeypatch):
     x, y = torch.randn(2, 3, 8, 8), torch.tensor([0, 1])
     losses, _ = objective.loss(student, x, y, step=torch.tensor(3), phase="model", teacher=teacher, fake_score=fake)
     assert list(losses) == ["model"]
+
+
+def test_a_teachers_matmul_weights_in_bf16_give_its_autocast_outputs_to_the_bit_without_casts():
+    """flm.objectives.teacher.matmuls_in_bf16: the linear layers' weights stored in bf16 are the values bf16 autocast
+    casts them to, so the teacher's velocity and hidden states are the same to the bit; the loss's cast cache then
+    casts none of them (it cast every one before), and the float32 embeddings stay as they were."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from flm import nn as fnn
+    from flm.objectives.teacher import matmuls_in_bf16
+
+    class Casts(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += func.overloadpacket is torch.ops.aten._to_copy and isinstance(args[0], torch.nn.Parameter)
+            return func(*args, **(kwargs or {}))
+
+    teacher = tiny_dit().eval().requires_grad_(False)
+    stored = matmuls_in_bf16(copy.deepcopy(teacher))
+    linears = [m for m in stored.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(m.weight.dtype == m.bias.dtype == torch.bfloat16 for m in linears)
+    assert stored.y_embedder.weight.dtype == torch.float32
+    x, t, y = torch.randn(4, 3, 8, 8), torch.rand(4), torch.tensor([0, 3, 10, 7])
+    outputs = []
+    for net in (teacher, stored):
+        with torch.autocast("cpu", dtype=torch.bfloat16), fnn.cast_cache(), Casts() as casts:
+            outputs.append((net(x, t, None, y), net(x, t, None, y, features=[0, 1]), casts.count))
+    (v, h, casts_before), (v_stored, h_stored, casts_after) = outputs
+    assert torch.equal(v, v_stored) and all(torch.equal(a, b) for a, b in zip(h, h_stored))
+    assert casts_before >= len(linears) and casts_after == 0

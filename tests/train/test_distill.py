@@ -77,6 +77,28 @@ def test_the_teacher_stays_frozen_and_the_student_starts_from_it(tmp_path, teach
         torch.testing.assert_close(student["ema"]["0.9"][k], v, rtol=0, atol=1e-6)
 
 
+@pytest.mark.gpu
+def test_on_a_gpu_the_teacher_is_stored_in_bf16_after_the_student_starts_from_its_float32_weights(tmp_path, teacher, train_run):
+    """On CUDA the frozen teacher runs under bf16 autocast only, so the loop stores its linear weights in bf16
+    (flm.objectives.teacher.matmuls_in_bf16): exactly its float32 weights rounded; the student and its EMA start from
+    the float32 ones. The fake score, trained, stays float32."""
+    args = ["objective._target_=tests.train.test_distill.Watched", "~objective.name", "optim.lr=1e-12"]
+    args += ["trainer.ema_decays=[0.9]", "trainer.device=cuda"]
+    train_run(tmp_path, objective_of("rcm", teacher) + STUDENT + args)
+    bundle = checkpoint.load(checkpoint.find_checkpoint(str(teacher / "flow_matching")))
+    fresh = load_teacher(str(teacher / "flow_matching"), bundle["model_args"]).state_dict()
+    stored = Watched.seen["teacher"].state_dict()
+    linear = [k for k in fresh if k.endswith((".weight", ".bias")) and not k.startswith("y_embedder.")]
+    assert linear and all(stored[k].dtype == torch.bfloat16 for k in linear)
+    for k, v in fresh.items():
+        torch.testing.assert_close(stored[k].cpu(), v.to(stored[k].dtype), rtol=0, atol=0)
+    assert all(v.dtype == torch.float32 for v in Watched.seen["fake_score"].state_dict().values() if v.is_floating_point())
+    student = checkpoint.load(checkpoint.find_checkpoint(str(tmp_path)))
+    for k, v in fresh.items():
+        torch.testing.assert_close(student["model"][k].cpu(), v, rtol=0, atol=1e-6)
+        torch.testing.assert_close(student["ema"]["0.9"][k].cpu(), v, rtol=0, atol=1e-6)
+
+
 def test_teacher_ema_picks_the_teacher_runs_average(tmp_path, teacher, train_run):
     """objective.teacher_ema names which of the teacher run's EMAs the teacher is and the student starts from (the
     fake score too); null takes the first; a missing one is a ValueError naming the option."""
