@@ -55,6 +55,7 @@ from flm import nn as fnn
 from flm.models import build_model
 from flm.objectives import build_objective
 from flm.train.graphs import GraphedStep
+from flm.train.loop import frozen
 
 JVP_OBJECTIVES = ("meanflow", "scm", "scd", "rcm", "meanflow_dmd")
 DISTILLATION = ("scd", "rcm", "meanflow_dmd")
@@ -172,7 +173,9 @@ def build_step(model_name, tokens, objective_name, backend, mode, execution, arg
     networks = {}  # the objective's extra networks: flow-matching networks of the student's size (teacher, fake score)
     for name, network in getattr(objective, "networks", {}).items():
         with torch.device(device):
-            networks[name] = build(time_inputs=1).requires_grad_(network.trainable)
+            networks[name] = build(time_inputs=1)
+        if not network.trainable:  # as the training loop runs a teacher (its linear weights in bf16 on a GPU)
+            networks[name] = frozen(networks[name], network, device, parallel="ddp")
         if network.trainable:
             params = params + list(networks[name].parameters())
             opts.append(torch.optim.AdamW(networks[name].parameters(), lr=1e-4, fused=fused))

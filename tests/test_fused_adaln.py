@@ -312,3 +312,44 @@ def test_a_dit_step_with_the_kernels_gives_pytorchs_loss_and_gradients(objective
     assert len(plain) == len(fused) > 10
     for p, f in zip(plain, fused, strict=True):
         torch.testing.assert_close(f, p, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("expanded", [False, True])
+def test_the_jvps_read_the_modulations_tangents_in_place(expanded, monkeypatch):
+    """The DiT's shift, scale and gate and their tangents are (B, 1, D) slices of one (B, 1, 6 D) modulation: the
+    kernels read the tangents through their sample stride, as the vectors themselves, with no copy (and an expanded,
+    stride-0 tangent as a shared vector), and give PyTorch's tangents."""
+    import traceback
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Copies(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket in (torch.ops.aten.clone, torch.ops.aten.copy_):  # not the interpreter's own
+                self.count += not any("triton/runtime/interpreter" in f.filename for f in traceback.extract_stack())
+            return func(*args, **(kwargs or {}))
+
+    g = torch.Generator().manual_seed(0)
+    x, h, tx, th = (torch.randn(3, 5, 24, generator=g) for _ in range(4))
+    mods = torch.randn(3, 1, 3 * 24, generator=g)
+    tmods = torch.randn(1, 1, 3 * 24, generator=g).expand(3, 1, -1) if expanded else torch.randn(3, 1, 3 * 24, generator=g)
+    copies = []
+
+    def tangents():
+        with forward_ad.dual_level():
+            shift, scale, gate = forward_ad.make_dual(mods, tmods).chunk(3, dim=-1)
+            dx = forward_ad.make_dual(x, tx)
+            with Copies() as counted:
+                y = fnn.modulate(dx, shift, scale)
+                z = fnn.gated_residual(dx, gate, forward_ad.make_dual(h, th))
+            copies.append(counted.count)
+            return forward_ad.unpack_dual(y).tangent, forward_ad.unpack_dual(z).tangent
+
+    plain, fused = _both(tangents, monkeypatch)
+    for p, f in zip(plain, fused, strict=True):
+        torch.testing.assert_close(f, p, atol=1e-4, rtol=1e-4)
+    assert copies[1] == 0, f"the fused JVPs copied {copies[1]} tensors"

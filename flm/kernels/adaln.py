@@ -184,6 +184,19 @@ def _sample_stride(v: torch.Tensor | None, x: torch.Tensor) -> int | None:
     return None
 
 
+def _rows_like(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A tangent of x (or h) in the layout the kernels read x in (contiguous: `plan` asks it of x)."""
+    return None if t is None else t.contiguous()
+
+
+def _vector_as_is(t: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor | None:
+    """A tangent of a per-sample or shared vector, as it comes where the kernels read it through its sample stride as
+    they read the vector itself (`_sample_stride`): the DiT's are (B, 1, D) slices of the modulation's (B, 1, 6 D)
+    tangent, which were copied to contiguous before (74 copies in a DiT-S/2 JVP forward), and an expanded (stride-0)
+    one reads as shared. A copy only for another layout."""
+    return t if t is None or _sample_stride(t, x) is not None else t.contiguous()
+
+
 def plan(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None):
     """(samples, rows per sample) when the kernels take this call, else None."""
     d = x.shape[-1]
@@ -233,7 +246,7 @@ def jvp(x, mean, rstd, weight, tx, tweight, tbias, one_plus: bool, out_dtype: to
     """The output's tangent: (d x_hat/dx) tx * w + x_hat * tw + tb, in out_dtype."""
     samples, n = plan_
     d = x.shape[-1]
-    tx, tweight, tbias = (None if t is None else t.contiguous() for t in (tx, tweight, tbias))  # tangents may be expanded
+    tx, tweight, tbias = _rows_like(tx), _vector_as_is(tweight, x), _vector_as_is(tbias, x)
     strides = [_sample_stride(v, x) for v in (weight, tweight, tbias)]
     ty = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     block_r, block_d, warps = _blocks(d)
@@ -327,7 +340,7 @@ def gate_jvp(gate, h, tx, tgate, th, out_dtype: torch.dtype, plan_):
     """The tangent of x + gate * h: tx + tgate * h + gate * th, in out_dtype."""
     samples, n = plan_
     d = h.shape[-1]
-    tx, tgate, th = (None if t is None else t.contiguous() for t in (tx, tgate, th))
+    tx, tgate, th = _rows_like(tx), _vector_as_is(tgate, h), _rows_like(th)
     ty = torch.empty(h.shape, dtype=out_dtype, device=h.device)
     block_r, block_d, warps = _blocks(d)
     _launch(

@@ -47,7 +47,7 @@ from flm.files import lock_folder, unlock_folder
 from flm.latents import Decoder, LatentFiles, reference_source
 from flm.log import LoggerConfig, RunLogger, progress_line
 from flm.models import ModelConfig, build_model
-from flm.objectives import Objective
+from flm.objectives import Network, Objective
 from flm.objectives.teacher import matmuls_in_bf16
 from flm.train import checkpoint
 from flm.train.ema import EMA, ema_key
@@ -93,6 +93,15 @@ def start_from(model: nn.Module, source: nn.Module) -> None:
         nn.init.zeros_(model.dt_embedder.fc2.bias)
 
 
+def frozen(net: nn.Module, network: Network, device: torch.device, parallel: str) -> nn.Module:
+    """An objective's frozen network (a teacher) as the loop runs it: no gradients, eval mode, and on a GPU its linear
+    weights in bf16 where it runs under bf16 autocast only and is not sharded (Network.bf16_on_cuda). Called after the
+    trained model has started from it (start_from), which takes the float32 weights."""
+    if network.bf16_on_cuda and device.type == "cuda" and not sharded(parallel):
+        matmuls_in_bf16(net)
+    return net.requires_grad_(False).eval()
+
+
 def build_state(
     model_args: dict, objective, optim: OptimConfig, trainer: TrainerConfig, loader: Loader, device: torch.device, config: dict
 ) -> TrainState:
@@ -127,9 +136,7 @@ def build_state(
                 nn.ModuleDict({name: net}), dataclasses.replace(optim, **network.optim), replicated=unsynced(net)
             )
         else:
-            if network.bf16_on_cuda and device.type == "cuda" and not sharded(trainer.parallel):
-                matmuls_in_bf16(net)  # after start_from: the student starts from the float32 weights
-            extras[name] = wrap_copy(net.requires_grad_(False).eval(), device, trainer.parallel)
+            extras[name] = wrap_copy(frozen(net, network, device, trainer.parallel), device, trainer.parallel)
     decay = getattr(objective, "target_ema_decay", None)  # an objective's target network: an EMA of the model
     if decay is not None:
         if ema_key(decay) not in ema.models:
