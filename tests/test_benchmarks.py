@@ -6,6 +6,8 @@ import json
 import pytest
 import torch
 
+from flm.models import build_model
+
 from .train.conftest import ROOT, load_entry
 
 
@@ -274,6 +276,28 @@ def test_train_step_counts_the_aten_ops_of_an_eager_step(capsys):
         map(int, rows[k].replace("(", "").replace(")", "").split()) for k in ("flow_matching", "meanflow")
     )
     assert mf_ops > fm_ops > 100 and fm_casts == 0  # fp32: no autocast, no casts
+
+
+def test_kernel_census_counts_a_steps_kernels_as_on_a_gpu(capsys):
+    """benchmarks/kernel_census.py: an sCD step's kernel-launching ops by op and line, the adaLN kernels interpreted
+    (their tangents read in place: no copy from adaln.py) and the teacher frozen in bf16 (one cast per student weight
+    alone); the switches it sets for the count are restored."""
+    from flm.kernels import adaln
+    from flm.kernels.attention_fwd import interpreted
+
+    if not interpreted():
+        pytest.skip("the census runs Triton's CPU interpreter (TRITON_INTERPRET=1)")
+    census = load("kernel_census")
+    census.main(["--objective", "scd", "--model", "DiT-T/2", "--lines", "200"])
+    out = capsys.readouterr().out
+    total = int(out.split("kernel-launching aten ops in one step: ")[1].split()[0])
+    rows = [[c.strip() for c in line.split("|")[1:4]] for line in out.splitlines() if ".py:" in line]
+    lines = {(op, where): int(n) for op, where, n in rows}
+    weights = sum(1 for _ in build_model("DiT-T/2", input_size=8, in_channels=1, num_classes=10).parameters()) - 1
+    assert total > 100 and not any(op == "clone" and "adaln.py" in where for op, where in lines)
+    assert sum(n for (op, where), n in lines.items() if op == "_to_copy" and "_cast" in where) >= weights
+    assert sum(n for (op, where), n in lines.items() if op == "_to_copy" and "_cast" in where) < 2 * weights
+    assert adaln.FORCE is None and census.train_step.frozen.__module__ == "flm.train.loop"
 
 
 def test_host_time_times_every_layer_and_step(capsys):
