@@ -27,6 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import benchmarks.train_step as train_step
 from flm.kernels import adaln
 from flm.kernels.attention_fwd import interpreted
+from flm.models import MODEL_SIZES
 from flm.objectives.teacher import matmuls_in_bf16
 
 # ops that launch no kernel (views, metadata, allocation, forward-AD bookkeeping, host reads)
@@ -86,13 +87,16 @@ def main(argv=None):
     p.add_argument("--objective", default="scd", help="a benchmarks/train_step.py objective (default scd)")
     p.add_argument("--backend", default="triton_jvp", help="attention backend (default triton_jvp)")
     p.add_argument("--mode", default="dual", help="jvp_mode (default dual)")
-    p.add_argument("--model", default="DiT-S/2")
+    p.add_argument("--model", default="DiT-S/2", choices=list(MODEL_SIZES), metavar="MODEL", help="a DiT size (default DiT-S/2)")
     p.add_argument("--tokens", type=int, default=16, help="a square number (default 16: the counts do not depend on it)")
     p.add_argument("--lines", type=int, default=30, help="source lines to list (default 30)")
     args = p.parse_args(argv)
     if not interpreted():
         raise SystemExit("error: the census runs flm's Triton kernels on the CPU: run it with TRITON_INTERPRET=1")
-    counted = census(args.objective, args.backend, args.mode, args.model, args.tokens)
+    try:
+        counted = census(args.objective, args.backend, args.mode, args.model, args.tokens)
+    except ValueError as err:  # an unknown objective, backend, mode or model, or a token count that is not a square
+        raise SystemExit(f"error: {err}") from None
     print(f"{args.model}, {args.tokens} tokens, {args.objective} ({args.backend}, {args.mode}), torch {torch.__version__}")
     print(f"\nkernel-launching aten ops in one step: {sum(counted.ops.values())}\n\n| op | count |\n|---|---|")
     for name, n in counted.ops.most_common():
