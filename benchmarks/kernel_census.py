@@ -28,7 +28,7 @@ import benchmarks.train_step as train_step
 from flm.kernels import adaln
 from flm.kernels.attention_fwd import interpreted
 from flm.models import MODEL_SIZES
-from flm.objectives.teacher import matmuls_in_bf16
+from flm.train.loop import frozen
 
 # ops that launch no kernel (views, metadata, allocation, forward-AD bookkeeping, host reads)
 HOST_OPS = {
@@ -67,8 +67,8 @@ def census(objective: str, backend: str, mode: str, model: str, tokens: int) -> 
         + ["--iters", "1", "--warmup", "1"]
     )
 
-    def frozen_as_on_a_gpu(net, network, device, parallel):
-        return (matmuls_in_bf16(net) if network.bf16_on_cuda else net).requires_grad_(False).eval()
+    def frozen_as_on_a_gpu(net, network, device, parallel):  # the loop's rule, as it decides for a GPU
+        return frozen(net, network, torch.device("cuda"), parallel)
 
     saved = adaln.FORCE, train_step.frozen
     adaln.FORCE, train_step.frozen = True, frozen_as_on_a_gpu

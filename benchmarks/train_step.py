@@ -176,7 +176,7 @@ def build_step(model_name, tokens, objective_name, backend, mode, execution, arg
             networks[name] = build(time_inputs=1)
         if not network.trainable:  # as the training loop runs a teacher (its linear weights in bf16 on a GPU)
             networks[name] = frozen(networks[name], network, device, parallel="ddp")
-        if network.trainable:
+        else:
             params = params + list(networks[name].parameters())
             opts.append(torch.optim.AdamW(networks[name].parameters(), lr=1e-4, fused=fused))
     # rCM: one cycle of its alternation (fake-score steps, then a student step), each phase its own graph
