@@ -300,6 +300,20 @@ def test_kernel_census_counts_a_steps_kernels_as_on_a_gpu(capsys):
     assert adaln.FORCE is None and census.train_step.frozen.__module__ == "flm.train.loop"
 
 
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--objective", "bogus"], "error: unknown objective 'bogus'"),
+        (["--tokens", "15"], "error: tokens 15 is not a square number"),
+        (["--backend", "bogus"], "error: unknown attention backend 'bogus'"),
+    ],
+)
+def test_kernel_census_refuses_bad_options_in_one_line(argv, message):
+    with pytest.raises(SystemExit) as exit_:
+        load("kernel_census").main(argv)
+    assert str(exit_.value).startswith(message)
+
+
 def test_host_time_times_every_layer_and_step(capsys):
     load("host_time").main(["--depth", "2", "--calls", "5", "--steps", "2", "--repeats", "1"])
     rows = [line.split("|") for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "---" not in line]
