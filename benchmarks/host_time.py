@@ -7,6 +7,7 @@ batch 2) through each objective's loss, backward and AdamW step. Medians of `--r
 
     PYTHONPATH=. python benchmarks/host_time.py                         # CPU (math attention)
     PYTHONPATH=. python benchmarks/host_time.py --device cuda --backends math,triton_jvp
+    PYTHONPATH=. python benchmarks/host_time.py --calls 1 --casts each,bulk   # the parameters' casts under bf16
 """
 
 import argparse
@@ -64,7 +65,10 @@ def layer_rows(device, calls, repeats, sync, backends):
     return out
 
 
-def step_rows(device, depth, objectives, backends, steps, repeats, sync):
+def step_rows(device, depth, objectives, backends, steps, repeats, sync, casts=("fp32",)):
+    """(objective, backend, casts, ms) per step. casts: fp32 (no autocast), each (bf16 autocast, one cast of each
+    parameter per loss and one of its gradient: the loop's default) or bulk (bf16, trainer.bulk_casts=true: all
+    parameters in one op, all gradients in one; flm.nn.cast_cache). The kinds are timed in alternating rounds."""
     out = []
     for backend in backends:
         for name in objectives:
@@ -82,16 +86,26 @@ def step_rows(device, depth, objectives, backends, steps, repeats, sync):
                 attention=backend,
             ).to(device)
             objective = build_objective(name, **({"jvp_mode": "dual"} if jvp else {}))
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+            params = list(model.parameters())
+            opt = torch.optim.AdamW(params, lr=1e-4)
             x, y = torch.randn(2, 4, 8, 8, device=device), torch.randint(0, 10, (2,), device=device)
 
-            def step():
-                loss, _ = objective.loss(model, x, y)
+            def step(kind):
+                bf16 = kind != "fp32"
+                with (
+                    torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16),
+                    fnn.cast_cache(bf16, params if kind == "bulk" else ()),
+                ):
+                    loss, _ = objective.loss(model, x, y)
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 opt.step()
 
-            out.append((name, backend, median_us(step, steps, repeats, sync) / 1e3))
+            times = {kind: [] for kind in casts}
+            for _ in range(repeats):  # alternating: the host's speed drifts within minutes
+                for kind in casts:
+                    times[kind].append(median_us(lambda kind=kind: step(kind), steps, 1, sync) / 1e3)
+            out += [(name, backend, kind, statistics.median(times[kind])) for kind in casts]
     return out
 
 
@@ -105,7 +119,16 @@ def main(argv=None):
     p.add_argument("--calls", type=int, default=2000, help="calls per layer timing")
     p.add_argument("--steps", type=int, default=20, help="steps per step timing")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument(
+        "--casts",
+        type=csv,
+        default=["fp32"],
+        help="step rows: fp32 (no autocast), each and/or bulk (bf16 autocast; the parameters' casts)",
+    )
     args = p.parse_args(argv)
+    for kind in args.casts:
+        if kind not in ("fp32", "each", "bulk"):
+            p.error(f"--casts {kind!r} is not one of fp32, each, bulk")
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("error: --device cuda, but this machine has no CUDA GPU; leave --device at cpu")
@@ -117,9 +140,10 @@ def main(argv=None):
     print("\n| layer (1 call) | plain, us | dual, us |\n|---|---|---|")
     for layer, plain, dual in layer_rows(device, args.calls, args.repeats, sync, args.backends):
         print(f"| {layer} | {plain:.1f} | {dual:.1f} |")
-    print(f"\n| eager step, DiT depth {args.depth}, width 64, 16 tokens x 2 | attention | ms |\n|---|---|---|")
-    for objective, backend, ms in step_rows(device, args.depth, args.objectives, args.backends, args.steps, args.repeats, sync):
-        print(f"| {objective} | {backend} | {ms:.2f} |")
+    print(f"\n| eager step, DiT depth {args.depth}, width 64, 16 tokens x 2 | attention | casts | ms |\n|---|---|---|---|")
+    rows = step_rows(device, args.depth, args.objectives, args.backends, args.steps, args.repeats, sync, args.casts)
+    for objective, backend, kind, ms in rows:
+        print(f"| {objective} | {backend} | {kind} | {ms:.2f} |")
 
 
 if __name__ == "__main__":

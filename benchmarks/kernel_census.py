@@ -60,11 +60,11 @@ class Census(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def census(objective: str, backend: str, mode: str, model: str, tokens: int) -> Census:
+def census(objective: str, backend: str, mode: str, model: str, tokens: int, casts: str = "each") -> Census:
     args = train_step.parse_args(
         ["--models", model, "--tokens", str(tokens), "--batch-tokens", str(2 * tokens), "--channels", "1"]
         + ["--num-classes", "10", "--objectives", objective, "--backends", backend, "--modes", mode, "--bf16"]
-        + ["--iters", "1", "--warmup", "1"]
+        + ["--iters", "1", "--warmup", "1", "--casts", casts]
     )
 
     def frozen_as_on_a_gpu(net, network, device, parallel):  # the loop's rule, as it decides for a GPU
@@ -90,14 +90,17 @@ def main(argv=None):
     p.add_argument("--model", default="DiT-S/2", choices=list(MODEL_SIZES), metavar="MODEL", help="a DiT size (default DiT-S/2)")
     p.add_argument("--tokens", type=int, default=16, help="a square number (default 16: the counts do not depend on it)")
     p.add_argument("--lines", type=int, default=30, help="source lines to list (default 30)")
+    p.add_argument("--casts", choices=["each", "bulk"], default="each", help="the parameters' casts (train_step.py's --casts)")
     args = p.parse_args(argv)
     if not interpreted():
         raise SystemExit("error: the census runs flm's Triton kernels on the CPU: run it with TRITON_INTERPRET=1")
     try:
-        counted = census(args.objective, args.backend, args.mode, args.model, args.tokens)
+        counted = census(args.objective, args.backend, args.mode, args.model, args.tokens, args.casts)
     except ValueError as err:  # an unknown objective, backend, mode or model, or a token count that is not a square
         raise SystemExit(f"error: {err}") from None
-    print(f"{args.model}, {args.tokens} tokens, {args.objective} ({args.backend}, {args.mode}), torch {torch.__version__}")
+    print(
+        f"{args.model}, {args.tokens} tokens, {args.objective} ({args.backend}, {args.mode}, casts {args.casts}), torch {torch.__version__}"
+    )
     print(f"\nkernel-launching aten ops in one step: {sum(counted.ops.values())}\n\n| op | count |\n|---|---|")
     for name, n in counted.ops.most_common():
         print(f"| {name} | {n} |")

@@ -119,6 +119,13 @@ def parse_args(argv=None):
         "with. On the CPU triton_jvp runs in Triton's interpreter, whose copies of each launch's arguments (set_, new_empty) "
         "count too, as does the optimizer's unfused update: count on a GPU",
     )
+    p.add_argument(
+        "--casts",
+        choices=["each", "bulk"],
+        default="each",
+        help="the trainable parameters' autocast casts: each (the loop's default: one cast per parameter and one per "
+        "gradient) or bulk (trainer.bulk_casts=true: one op for all of them, one for all their gradients)",
+    )
     p.add_argument("--tiny", action="store_true", help="CPU smoke check: DiT-T/2, 16 tokens, fp32, 2 steps")
     p.add_argument(
         "--bf16", action="store_true", help="bf16 autocast on the CPU too: --count-ops as on a GPU (CPU bf16 times mean little)"
@@ -191,11 +198,12 @@ def build_step(model_name, tokens, objective_name, backend, mode, execution, arg
     compile_mode = execution.partition(":")[2] or "default"
     objective_loss = torch.compile(objective.loss, mode=compile_mode) if compiled else objective.loss
     step_arg = torch.tensor(10**6, device=device) if compiled else 10**6  # past the warm-up
+    in_bulk = params if args.casts == "bulk" and not compiled else ()
 
     def loss_and_backward(x, y, phase=None):
         if compile_mode == "reduce-overhead":
             torch.compiler.cudagraph_mark_step_begin()  # the next replay overwrites this one's outputs
-        with autocast, fnn.cast_cache():  # as the training loop: one cast of each parameter per loss
+        with autocast, fnn.cast_cache(True, in_bulk):  # as the training loop: one cast of each parameter per loss
             phase_arg = {} if phase is None else {"phase": phase}
             loss, metrics = objective_loss(model, x, y, step=step_arg, **phase_arg, **networks)
         loss = sum(loss.values()) if isinstance(loss, dict) else loss  # {network: loss}: each touches its own

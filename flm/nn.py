@@ -167,7 +167,7 @@ _casts: dict | None = None  # inside cast_cache(): id(parameter) -> (parameter, 
 
 
 @contextlib.contextmanager
-def cast_cache(enabled: bool = True):
+def cast_cache(enabled: bool = True, params=()):
     """Within it, a parameter is cast to the autocast dtype once and the cast reused until it changes in place (its
     version), as torch.autocast caches the casts of its own ops within a region. A JVP objective's loss runs the
     network two or three times (MeanFlow: the tangent's no-grad forward, the r = t forward, the dual forward), and the
@@ -175,16 +175,63 @@ def cast_cache(enabled: bool = True):
     MeanFlow preset's eager step (658 with this; docs/train_step.md). A parameter's uses then share one cast: their
     gradients add up in the autocast dtype before the one cast back, as under torch.autocast's own cache. The training
     loop opens it around each loss (not under FSDP2, whose parameters are re-gathered for every forward); nested calls
-    share the outer cache."""
+    share the outer cache.
+
+    `params` (the trainable ones, under autocast) are cast at once, all in one op, and their gradients cast back all
+    in one op when the last of them is ready: two ops in place of two per parameter (_BulkCast). The same values and
+    gradients to the bit; but no parameter's gradient exists before the whole backward's end, so DDP, which reduces
+    each bucket as its gradients arrive, would lose its overlap: the loop passes none under DDP."""
     global _casts
     if not enabled or _casts is not None:
         yield
         return
     _casts = {}
     try:
+        _cast_in_bulk(params)
         yield
     finally:
         _casts = None
+
+
+def _cast_in_bulk(params) -> None:
+    """Fill the cache with one _BulkCast of the floating `params` not yet in the autocast dtype (none when autocast is
+    off, under torch.compile, which casts plainly, or in inference mode, which keeps no casts)."""
+    params = list(params)
+    dtype = _autocast_dtype(params[0]) if params else None
+    if dtype is None or _compiling() or torch.is_inference_mode_enabled():
+        return
+    params = [p for p in params if p.is_floating_point() and p.dtype != dtype]
+    if not params:
+        return
+    with torch.enable_grad():  # the casts carry the gradients of the forwards that use them, no-grad ones included
+        casts = _BulkCast.apply(dtype, *params)
+    for p, cast in zip(params, casts):
+        _casts[id(p)] = (p, p._version, cast)
+
+
+class _BulkCast(torch.autograd.Function):
+    """Parameters to `dtype` in one foreach copy, and their gradients back to each parameter's dtype in another: one
+    autograd node and two ops in place of two of each per parameter."""
+
+    @staticmethod
+    def forward(ctx, dtype, *params):
+        ctx.set_materialize_grads(False)  # a parameter this loss leaves unused gets no gradient, not zeros
+        ctx.dtypes = [p.dtype for p in params]
+        casts = [torch.empty_like(p, dtype=dtype) for p in params]
+        torch._foreach_copy_(casts, params)
+        return tuple(casts)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, *grads):
+        used = [i for i, g in enumerate(grads) if g is not None]
+        out = [None] * len(grads)
+        if used:
+            wide = [torch.empty_like(grads[i], dtype=ctx.dtypes[i]) for i in used]
+            torch._foreach_copy_(wide, [grads[i] for i in used])
+            for i, g in zip(used, wide):
+                out[i] = g
+        return (None, *out)
 
 
 def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -298,6 +298,14 @@ def test_kernel_census_counts_a_steps_kernels_as_on_a_gpu(capsys):
     assert sum(n for (op, where), n in lines.items() if op == "_to_copy" and "_cast" in where) >= weights
     assert sum(n for (op, where), n in lines.items() if op == "_to_copy" and "_cast" in where) < 2 * weights
     assert adaln.FORCE is None and census.train_step.frozen.__module__ == "flm.train.loop"
+    census.main(["--objective", "scd", "--model", "DiT-T/2", "--lines", "200", "--casts", "bulk"])
+    out = capsys.readouterr().out
+    in_bulk = int(out.split("kernel-launching aten ops in one step: ")[1].split()[0])
+    rows = [[c.strip() for c in line.split("|")[1:4]] for line in out.splitlines() if ".py:" in line]
+    bulk_lines = {(op, where): int(n) for op, where, n in rows}
+    # the student's weights and their gradients: two ops in all (trainer.bulk_casts) in place of one each
+    assert sum(n for (op, _), n in bulk_lines.items() if op == "_foreach_copy_") == 2
+    assert in_bulk == total - 2 * weights + 2
 
 
 @pytest.mark.parametrize(
@@ -315,13 +323,15 @@ def test_kernel_census_refuses_bad_options_in_one_line(argv, message):
 
 
 def test_host_time_times_every_layer_and_step(capsys):
-    load("host_time").main(["--depth", "2", "--calls", "5", "--steps", "2", "--repeats", "1"])
+    load("host_time").main(["--depth", "2", "--calls", "5", "--steps", "2", "--repeats", "1", "--casts", "fp32,bulk"])
     rows = [line.split("|") for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "---" not in line]
     layers = {r[1].strip(): (float(r[2]), float(r[3])) for r in rows if r[2].strip().replace(".", "").isdigit()}
     assert set(layers) == {"linear", "layer_norm", "gelu_tanh", "gated residual", "attention (math)"}
-    steps = {r[1].strip(): float(r[3]) for r in rows if r[2].strip() == "math"}
-    assert list(steps) == ["flow_matching", "meanflow", "scm"]
+    steps = {(r[1].strip(), r[3].strip()): float(r[4]) for r in rows if r[2].strip() == "math"}
+    assert list(steps) == [(o, c) for o in ("flow_matching", "meanflow", "scm") for c in ("fp32", "bulk")]
     assert all(min(v) > 0 for v in layers.values()) and min(steps.values()) > 0
+    with pytest.raises(SystemExit):
+        load("host_time").main(["--casts", "bf16"])
     with pytest.raises(SystemExit, match="--device cuda"):
         load("host_time").main(["--backends", "triton_jvp"])
     if not torch.cuda.is_available():

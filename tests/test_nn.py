@@ -288,6 +288,72 @@ def test_cast_cache_gives_the_uncached_gradients_of_a_meanflow_step():
     assert casts[1] < casts[0]
 
 
+def test_bulk_casts_give_the_per_parameter_casts_gradients_to_the_bit_in_two_ops():
+    """cast_cache(params=...) casts the parameters in one op and their gradients back in one (the training loop's way
+    in one process). A MeanFlow loss (three forwards, one of them no-grad, one dual) gets the same loss and gradients
+    to the bit as with one cast per parameter, a parameter the loss leaves unused gets no gradient, and the step's
+    per-parameter casts are gone."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from flm.models import DiT
+    from flm.objectives import build_objective
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    model = DiT(input_size=8, in_channels=1, patch_size=2, hidden_size=32, depth=2, num_heads=1, num_classes=10,
+                time_inputs=2, attention="math", prediction="data")  # fmt: skip
+    unused = torch.nn.Parameter(torch.randn(3))
+    objective = build_objective("meanflow", jvp_subset=True, tangent="model", r_neq_t=0.5)
+    x, y = torch.randn(8, 1, 8, 8), torch.randint(0, 10, (8,))
+    params = [*model.parameters(), unused]
+    results = []
+    for bulk in ((), params):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(1)
+        ops = Ops()
+        ops.names = []
+        with ops, torch.autocast("cpu", dtype=torch.bfloat16), fnn.cast_cache(True, bulk):
+            loss, _ = objective.loss(model, x, y)
+        with ops:
+            loss.backward()
+        results.append((loss.detach(), [p.grad for p in params], ops.names))
+    (loss_each, grads_each, ops_each), (loss_bulk, grads_bulk, ops_bulk) = results
+    assert torch.equal(loss_each, loss_bulk)
+    assert grads_each[-1] is None and grads_bulk[-1] is None  # unused: no gradient, not zeros
+    for a, b in zip(grads_each[:-1], grads_bulk[:-1], strict=True):
+        assert a is not None and a.dtype == torch.float32 and torch.equal(a, b)
+    # every linear's weight and bias was cast, and its gradient cast back, one op each (the label table: no cast)
+    n_linear = sum(1 for m in model.modules() if isinstance(m, torch.nn.Linear) for _ in m.parameters(recurse=False))
+    assert ops_bulk.count("_foreach_copy_") == 2 and "_foreach_copy_" not in ops_each
+    assert ops_each.count("_to_copy") - ops_bulk.count("_to_copy") == 2 * n_linear
+
+
+def test_bulk_casts_skip_what_needs_no_cast():
+    """Without autocast, in inference mode, or for parameters already in the autocast dtype, cast_cache(params=...)
+    casts nothing in bulk; a parameter changed in place inside the context is cast anew, as in the per-parameter
+    cache."""
+    lin = fnn.Linear(D, O)
+    params = list(lin.parameters())
+    with fnn.cast_cache(True, params):
+        assert fnn._casts == {}  # autocast off
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.inference_mode(), fnn.cast_cache(True, params):
+            assert fnn._casts == {}
+        with fnn.cast_cache(True, [p.detach().bfloat16().requires_grad_() for p in params]):
+            assert fnn._casts == {}
+        with fnn.cast_cache(True, params):
+            first = fnn._cast(lin.weight, torch.bfloat16)
+            assert first.grad_fn is not None and type(first.grad_fn).__name__.startswith("_BulkCast")
+            with torch.no_grad():
+                lin.weight.add_(1.0)
+            again = fnn._cast(lin.weight, torch.bfloat16)
+            assert again is not first and torch.equal(again, lin.weight.to(torch.bfloat16))
+
+
 def test_modulate_writes_the_matmul_dtype_in_its_own_kernels():
     """modulate(..., dtype=bf16) gives what modulate(...).to(bf16) gives, output and tangent to the bit (the affine's
     kernel rounds once, as the cast did) and gradients to bf16 rounding (its backward takes the bf16 gradient of the

@@ -418,13 +418,18 @@ def train(
     # reduce-overhead replays CUDA graphs whose outputs the next replay overwrites: each call starts a new step
     marks_steps = trainer.compile and trainer.compile_mode == "reduce-overhead"
 
-    # one cast of each parameter per loss (flm.nn.cast_cache); FSDP2 gathers its parameters anew for every forward
+    # one cast of each parameter per loss (flm.nn.cast_cache); FSDP2 gathers its parameters anew for every forward.
+    # trainer.bulk_casts: the trainable ones all in one op, unless a wrapper reduces gradients as they arrive (DDP) or
+    # compiled code casts them itself
+    params = [p for opt in state.optimizers.values() for p in opt.params]
     casts_shared = not (trainer.parallel == "fsdp" and dist.world_size() > 1)
+    bulk = trainer.bulk_casts and casts_shared and not trainer.compile
+    in_bulk = params if bulk and not wrapper_syncs(trainer.parallel, cuda_graph=trainer.cuda_graph) else ()
 
     def loss_and_backward(x, y, step, phase=None):
         if marks_steps:
             torch.compiler.cudagraph_mark_step_begin()
-        with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None), fnn.cast_cache(casts_shared):
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None), fnn.cast_cache(casts_shared, in_bulk):
             phase_arg = {} if phase is None else {"phase": phase}
             step = to_device(torch.tensor(step), device) if compiled and isinstance(step, int) else step
             loss, extra = objective_loss(state.wrapped, x, y, step=step, **phase_arg, **state.extras)
@@ -442,7 +447,7 @@ def train(
 
     # a graph replays what it captured: the step (sCM's tangent warm-up) goes in as a tensor, and an
     # alternating objective's kinds of step are one graph each
-    params, graphs = [p for opt in state.optimizers.values() for p in opt.params], {}
+    graphs = {}
 
     def graphed_step(x, y, step):
         phase = phase_at(step)
