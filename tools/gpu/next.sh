@@ -1,12 +1,15 @@
-# The next device call (docs/quality.md, "Next on the H200", item f), after tools/gpu/pack.sh:
-#   LIMIT=SECONDS bash tools/gpu/next.sh   (carry [".gpu"]; LIMIT: the call's own limit, which decides what fits)
+# The next device calls (docs/quality.md, "Next on the H200", item f), after tools/gpu/pack.sh:
+#   LIMIT=SECONDS [SEEDS="0 1"] bash tools/gpu/next.sh   (carry [".gpu"]; LIMIT: the call's own limit, which decides what fits)
 # Issue 14's protocol on an H200 with attention=auto students (train.py's default; 1.48x / 1.16x over four seeds on an
-# H100, sixtieth day): the attention=auto teacher, then seeds 0 and 1 while time is left, each alone on the GPU.
-# One student fits from 450 s; tools/gpu/next2.sh, chained at once on the same warm machine, runs seeds 2 and 3.
+# H100, sixtieth day): the attention=auto teacher unless this warm machine already holds it, then the students of SEEDS
+# while time is left, each alone on the GPU. One student fits from 450 s with the teacher, two in 470 s without:
+# chain `LIMIT=470 SEEDS="2 3" bash tools/gpu/next.sh` at once on the same machine (its idle release is 30 s).
 set -u; cd "$(dirname "$0")/../.."; LIMIT=${LIMIT:-590}; source tools/gpu/env.sh
 snap() { tar -cf $OUT/qsnap.tar runs/qout $(ls -d runs/q/*/*.log runs/q/*/*.jsonl 2>/dev/null) 2>/dev/null; }
-q fmqa2 --attention auto --runs "fmqa2:flow_matching:5180:trainer.ckpt_every=4300,trainer.keep_last=0"; snap
-for seed in 0 1; do
+if [ ! -f runs/q/fmqa2/checkpoints/ckpt-00005180.pt ]; then
+  q fmqa2 --attention auto --runs "fmqa2:flow_matching:5180:trainer.ckpt_every=4300,trainer.keep_last=0"; snap
+fi
+for seed in ${SEEDS:-0 1}; do
   [ $(rest) -gt 200 ] || break
   q rcmgqaa$seed --attention auto --weights ema0.99 ema0.995 \
     --runs "rcmgqaa$seed:rcm_gan:54s:objective.teacher=RUNS/fmqa2,trainer.seed=$seed,trainer.ema_decays=[0.99,0.995]"; snap
