@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch.autograd import forward_ad
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from flm import nn as fnn
 
@@ -251,37 +252,45 @@ def test_cast_cache_casts_each_parameter_once_per_version():
         assert fnn._cast(lin.weight, bf16) is not fnn._cast(lin.weight, bf16)
 
 
-def test_cast_cache_gives_the_uncached_gradients_of_a_meanflow_step():
-    """MeanFlow with the model's tangent and the JVP on the r != t samples runs the network three times per loss; with
-    shared casts its gradients add up in bf16 before the one cast back (torch.autocast's own semantics), so they match
-    the uncached ones to bf16 rounding. And the step issues fewer casts."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
+def _meanflow_three_forwards():
+    """(model, objective, x, y): a small DiT under MeanFlow with the model's tangent and the JVP on the r != t samples,
+    whose loss runs the network three times (a no-grad forward, the r = t forward, the dual forward)."""
     from flm.models import DiT
     from flm.objectives import build_objective
-
-    class Casts(TorchDispatchMode):
-        n = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            Casts.n += func.overloadpacket.__name__ == "_to_copy"
-            return func(*args, **(kwargs or {}))
 
     torch.manual_seed(0)
     model = DiT(input_size=8, in_channels=1, patch_size=2, hidden_size=32, depth=2, num_heads=1, num_classes=10,
                 time_inputs=2, attention="math", prediction="data")  # fmt: skip
     objective = build_objective("meanflow", jvp_subset=True, tangent="model", r_neq_t=0.5)
-    x, y = torch.randn(8, 1, 8, 8), torch.randint(0, 10, (8,))
+    return model, objective, torch.randn(8, 1, 8, 8), torch.randint(0, 10, (8,))
+
+
+class _OpNames(TorchDispatchMode):
+    """The aten ops dispatched inside it, by name, in order (`names`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def test_cast_cache_gives_the_uncached_gradients_of_a_meanflow_step():
+    """MeanFlow with the model's tangent and the JVP on the r != t samples runs the network three times per loss; with
+    shared casts its gradients add up in bf16 before the one cast back (torch.autocast's own semantics), so they match
+    the uncached ones to bf16 rounding. And the step issues fewer casts."""
+    model, objective, x, y = _meanflow_three_forwards()
     grads, casts = [], []
     for cached in (False, True):
         model.zero_grad()
         torch.manual_seed(1)
-        Casts.n = 0
-        with Casts(), torch.autocast("cpu", dtype=torch.bfloat16), fnn.cast_cache(cached):
+        with _OpNames() as ops, torch.autocast("cpu", dtype=torch.bfloat16), fnn.cast_cache(cached):
             loss, _ = objective.loss(model, x, y)
         loss.backward()
         grads.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
-        casts.append(Casts.n)
+        casts.append(ops.names.count("_to_copy"))
     assert len(grads[0]) == len(grads[1]) > 0
     for a, b in zip(*grads):
         assert torch.allclose(a, b, rtol=2e-2, atol=1e-2 * b.abs().max().item() + 1e-8)
@@ -293,29 +302,14 @@ def test_bulk_casts_give_the_per_parameter_casts_gradients_to_the_bit_in_two_ops
     in one process). A MeanFlow loss (three forwards, one of them no-grad, one dual) gets the same loss and gradients
     to the bit as with one cast per parameter, a parameter the loss leaves unused gets no gradient, and the step's
     per-parameter casts are gone."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    from flm.models import DiT
-    from flm.objectives import build_objective
-
-    class Ops(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names.append(func.overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
-
-    torch.manual_seed(0)
-    model = DiT(input_size=8, in_channels=1, patch_size=2, hidden_size=32, depth=2, num_heads=1, num_classes=10,
-                time_inputs=2, attention="math", prediction="data")  # fmt: skip
+    model, objective, x, y = _meanflow_three_forwards()
     unused = torch.nn.Parameter(torch.randn(3))
-    objective = build_objective("meanflow", jvp_subset=True, tangent="model", r_neq_t=0.5)
-    x, y = torch.randn(8, 1, 8, 8), torch.randint(0, 10, (8,))
     params = [*model.parameters(), unused]
     results = []
     for bulk in ((), params):
         model.zero_grad(set_to_none=True)
         torch.manual_seed(1)
-        ops = Ops()
-        ops.names = []
+        ops = _OpNames()
         with ops, torch.autocast("cpu", dtype=torch.bfloat16), fnn.cast_cache(True, bulk):
             loss, _ = objective.loss(model, x, y)
         with ops:
