@@ -306,6 +306,29 @@ class Linear(nn.Linear):
         return linear(x, self.weight, self.bias)
 
 
+def linears(x: torch.Tensor, layers) -> list[torch.Tensor]:
+    """The outputs of several Linear layers that read the same x, from one matmul of their weights stacked (their
+    autocast casts stacked, under autocast): the DiT's adaLN modulations, one per block from one conditioning, were a
+    matmul, a tangent matmul, two gradient matmuls, a bias sum and a cast of x per block and forward (~100 of the
+    ~840 kernel-launching ops of a DiT-S/2 MeanFlow step; docs/train_step.md). The layers keep their own parameters
+    (checkpoints are unchanged); outputs are views of one (..., sum of out_features) tensor. Each layer's own call
+    where the stack cannot be built: sharded weights (`sharded`), or biases on some layers only."""
+    weights, biases = [layer.weight for layer in layers], [layer.bias for layer in layers]
+    with_bias = [b is not None for b in biases]
+    if len(layers) < 2 or any(sharded(w) for w in weights) or any(with_bias) != all(with_bias):
+        return [layer(x) for layer in layers]
+    dtype = _autocast_dtype(x)
+    if dtype is not None:  # each cast once (cast_cache), then stacked: the stack is of bf16, not of float32, weights
+        weights, biases = [_cast(w, dtype) for w in weights], [None if b is None else _cast(b, dtype) for b in biases]
+    stacked = torch.cat(biases) if all(with_bias) else None
+    return list(linear(x, torch.cat(weights), stacked).split([w.shape[0] for w in weights], dim=-1))
+
+
+def sharded(t: torch.Tensor) -> bool:
+    """A DTensor: FSDP2's parameters outside their unit's forward hold only this rank's shard."""
+    return hasattr(t, "device_mesh")
+
+
 # --------------------------------------------------------------------------------------------
 # Layer norm over the last dim, optional affine y = x_hat * weight + bias; weight and bias
 # broadcast against x: (D,) parameters, or (B, 1, D) per-sample for adaLN. The Jacobian of

@@ -261,11 +261,12 @@ def jvp(x, mean, rstd, weight, tx, tweight, tbias, one_plus: bool, out_dtype: to
 
 
 def _per_sample_sum(part: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """The blocks' partial sums (S, C, D) to `like`'s shape and dtype (summed over samples too for a shared one)."""
-    total = part.sum(1)
+    """The blocks' partial sums (..., S, C, D) to `like`'s shape and dtype (summed over samples too for a shared one),
+    one per leading index of `part`, if any."""
+    total = part.sum(-2)
     if like.numel() == like.shape[-1]:
-        total = total.sum(0)
-    return total.reshape(like.shape).to(like.dtype)
+        total = total.sum(-2)
+    return total.reshape(part.shape[:-3] + like.shape).to(like.dtype)
 
 
 def backward(gy, x, mean, rstd, weight, bias, one_plus: bool, need_gw: bool, need_gb: bool, plan_):
@@ -276,8 +277,10 @@ def backward(gy, x, mean, rstd, weight, bias, one_plus: bool, need_gw: bool, nee
     blocks = triton.cdiv(n, block_r)
     need_gw, need_gb = need_gw and weight is not None, need_gb and bias is not None
     gx = torch.empty_like(x)
-    gw = torch.empty((samples, blocks, d), dtype=torch.float32, device=x.device) if need_gw else None
-    gb = torch.empty((samples, blocks, d), dtype=torch.float32, device=x.device) if need_gb else None
+    # the two gradients' partial sums in one buffer, reduced and cast together when they share a shape and dtype (the
+    # DiT's shift and scale): two ops instead of four for each of a step's adaLN norms
+    parts = torch.empty((need_gw + need_gb, samples, blocks, d), dtype=torch.float32, device=x.device)
+    gw, gb = parts[0] if need_gw else None, parts[-1] if need_gb else None
     _launch(
         _ln_bwd, (samples, blocks),
         [gy.contiguous(), x, mean, rstd, _vec(weight, x), gx, _vec(gw, x), _vec(gb, x), n, d, blocks,
@@ -286,6 +289,8 @@ def backward(gy, x, mean, rstd, weight, bias, one_plus: bool, need_gw: bool, nee
              BLOCK_D=block_d),
         warps,
     )  # fmt: skip
+    if need_gw and need_gb and weight.shape == bias.shape and weight.dtype == bias.dtype:
+        return (gx, *_per_sample_sum(parts, weight).unbind(0))
     return (
         gx,
         None if gw is None else _per_sample_sum(gw, weight),

@@ -157,9 +157,11 @@ class DiTBlock(nn.Module):
         self.mlp = Mlp(hidden, mlp_ratio)
         self.adaLN_modulation = fnn.Linear(hidden, 6 * hidden)
 
-    def forward(self, x: torch.Tensor, c_act: torch.Tensor) -> torch.Tensor:
-        # x (B, N, D); c_act = SiLU(conditioning) (B, D); each modulation (B, 1, D)
-        mods = self.adaLN_modulation(c_act).unsqueeze(1).chunk(6, dim=-1)
+    def forward(self, x: torch.Tensor, c_act: torch.Tensor, modulation: torch.Tensor | None = None) -> torch.Tensor:
+        # x (B, N, D); c_act = SiLU(conditioning) (B, D); modulation: adaLN_modulation(c_act) (B, 6 D) when the caller
+        # computed it (DiT.forward, with every block's in one matmul); each of the six (B, 1, D)
+        modulation = self.adaLN_modulation(c_act) if modulation is None else modulation
+        mods = modulation.unsqueeze(1).chunk(6, dim=-1)
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = mods
         dtype = fnn.matmul_dtype(x)  # the dtype qkv and fc1 compute in: modulate writes it (no cast in between)
         x = fnn.gated_residual(x, gate_msa, self.attn(fnn.modulate(x, shift_msa, scale_msa, dtype=dtype)))
@@ -173,8 +175,9 @@ class FinalLayer(nn.Module):
         self.adaLN_modulation = fnn.Linear(hidden, 2 * hidden)
         self.linear = fnn.Linear(hidden, patch * patch * out_channels)
 
-    def forward(self, x: torch.Tensor, c_act: torch.Tensor) -> torch.Tensor:
-        shift, scale = self.adaLN_modulation(c_act).unsqueeze(1).chunk(2, dim=-1)
+    def forward(self, x: torch.Tensor, c_act: torch.Tensor, modulation: torch.Tensor | None = None) -> torch.Tensor:
+        modulation = self.adaLN_modulation(c_act) if modulation is None else modulation
+        shift, scale = modulation.unsqueeze(1).chunk(2, dim=-1)
         return self.linear(fnn.modulate(x, shift, scale, dtype=fnn.matmul_dtype(x)))  # (B, N, p * p * C)
 
 
@@ -308,18 +311,24 @@ class DiT(nn.Module):
         h, c_act, c_out = self._embed(x, t, r, y)
         first = len(self.blocks) - self.decoder_depth  # the blocks from here on (the decoder) see r's conditioning
         if features is not None:
+            blocks = self.blocks[: max(features) + 1]
+            mods = self._modulations(c_act, c_out, blocks, [])
             hidden = []
-            for i, block in enumerate(self.blocks[: max(features) + 1]):
-                h = block(h, c_act if i < first else c_out)
+            for i, block in enumerate(blocks):
+                h = block(h, c_act if i < first else c_out, mods[block])
                 hidden.append(h)
             return [hidden[i] for i in features]
+        both = [self.final_layer, self.velocity_layer]
+        heads = {"output": both[:1], "velocity": both[1:]}.get(head, both)
+        mods = self._modulations(c_act, c_out, self.blocks, heads)
         for i, block in enumerate(self.blocks):
-            h = block(h, c_act if i < first else c_out)
+            h = block(h, c_act if i < first else c_out, mods[block])
         if head != "output":
-            velocity = self._unpatchify(self.velocity_layer(h, c_out), x.shape).to(x.dtype)
+            velocity = self.velocity_layer(h, c_out, mods[self.velocity_layer])
+            velocity = self._unpatchify(velocity, x.shape).to(x.dtype)
             if head == "velocity":
                 return velocity
-        out = self._unpatchify(self.final_layer(h, c_out), x.shape)
+        out = self._unpatchify(self.final_layer(h, c_out, mods[self.final_layer]), x.shape)
         if head == "both":
             return torch.cat([out.to(x.dtype), velocity], dim=1)
         if self.prediction == "data":  # out is x^; the velocity (x_t - x^) / t, in x's precision (t (B,) or a scalar)
@@ -357,6 +366,21 @@ class DiT(nn.Module):
             labels = self.y_embedder(y)
         c_act = self._activate(c, labels)
         return h, c_act, self._activate(self.t_embedder(r), labels) if self.decoder_depth else c_act
+
+    def _modulations(self, c_act, c_out, blocks, heads) -> dict:
+        """Each of `blocks` and `heads` (final layers) -> its adaLN modulation, those that read the same conditioning in
+        one matmul (fnn.linears; each its own under FSDP2); the encoder's blocks read c_act, the decoder's blocks and the
+        heads c_out."""
+        first = len(self.blocks) - self.decoder_depth
+        layers = [*blocks, *heads]
+        if any(fnn.sharded(layer.adaLN_modulation.weight) for layer in layers):
+            return dict.fromkeys(layers)  # FSDP2: a block's parameters are whole only inside its own forward
+        groups = [layers] if c_out is c_act else [layers[:first], layers[first:]]
+        mods = {}
+        for group, c in zip(groups, (c_act, c_out)):
+            if group:
+                mods.update(zip(group, fnn.linears(c, [layer.adaLN_modulation for layer in group])))
+        return mods
 
     def _activate(self, c, labels):
         """SiLU of a time embedding plus the labels' (B, D), after the optional RMS norm."""

@@ -288,3 +288,46 @@ def test_attentions_output_gradient_arrives_in_qs_stride_order(monkeypatch):
     for q, g in seen:
         assert stride_order(g) == stride_order(q)
         assert in_q_order(g, q) is g  # the feed copies nothing: SDPA's dO is the fused backward's
+
+
+@pytest.mark.parametrize("decoder_depth,head", [(0, "output"), (1, "both")])
+def test_the_adaln_modulations_in_one_matmul_are_each_layers_own(monkeypatch, decoder_depth, head):
+    """DiT.forward computes the adaLN modulations of every block and head that read the same conditioning in one
+    matmul (fnn.linears): the output, its tangent and every gradient are those of each layer's own call, in float64."""
+    model = tiny_dit(time_inputs=2, decoder_depth=decoder_depth, velocity_head=True).double()
+    own = copy.deepcopy(model)
+    x, tx, t, r, y = (v.double() if v.is_floating_point() else v for v in _inputs())
+
+    def run(m):
+        with forward_ad.dual_level():
+            out = m(forward_ad.make_dual(x, tx), forward_ad.make_dual(t, torch.ones_like(t)), r, y, head=head)
+            out, tout = forward_ad.unpack_dual(out)
+        out.square().sum().backward()
+        return out, tout, {n: p.grad for n, p in m.named_parameters()}
+
+    stacks = []
+    linears = dit.fnn.linears
+    monkeypatch.setattr(dit.fnn, "linears", lambda c, layers: stacks.append(len(layers)) or linears(c, layers))
+    out, tout, grads = run(model)
+    monkeypatch.setattr(dit.fnn, "linears", lambda c, layers: [layer(c) for layer in layers])
+    out_own, tout_own, grads_own = run(own)
+    depth = len(model.blocks)  # one stack of all blocks and heads; with a decoder, the encoder's and the decoder's
+    assert stacks == ([depth + 1] if decoder_depth == 0 else [depth - decoder_depth, decoder_depth + 2])
+    torch.testing.assert_close(out, out_own, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(tout, tout_own, rtol=1e-12, atol=1e-12)
+    unused = {name for name, g in grads.items() if g is None}  # the velocity head's, when only the output is asked for
+    assert unused == {name for name, g in grads_own.items() if g is None}
+    assert all(name.startswith("velocity_layer.") for name in unused) and len(unused) < len(grads) / 4
+    for name in grads.keys() - unused:
+        torch.testing.assert_close(grads[name], grads_own[name], rtol=1e-10, atol=1e-12, msg=name)
+
+
+def test_sharded_modulations_are_each_blocks_own(monkeypatch):
+    """FSDP2's block parameters are whole only inside the block's forward: with a sharded (DTensor) weight among
+    them, the DiT stacks none and each block computes its own modulation."""
+    model = tiny_dit()
+    x, _, t, _, y = _inputs()
+    expected = model(x, t, None, y)
+    monkeypatch.setattr(dit.fnn, "linears", lambda c, layers: pytest.fail("stacked a sharded weight"))
+    model.blocks[1].adaLN_modulation.weight.device_mesh = "mesh"  # what fnn.sharded looks for
+    torch.testing.assert_close(model(x, t, None, y), expected, rtol=0, atol=0)
