@@ -1,14 +1,11 @@
 # Fewer kernel-launching ops in an eager step (docs/train_step.md, sixty-first day): trainer.bulk_casts, the adaLN
-# norms' two gradients reduced together, and every block's adaLN modulation in one matmul (fnn.linears). Every gpu
-# test outside the two attention-kernel files (~105 s), then the eager and graphed DiT-B/2 steps of the tree before
-# the change (.base/, carried) and of this one, each with --casts each and bulk, each its own process, in the order
-# A B C D D C B A while time is left.
-#   git worktree add /tmp/base BASE && mkdir -p .base && cp -r /tmp/base/flm /tmp/base/benchmarks .base/
-#   LIMIT=SECONDS bash tools/gpu/ops.sh   (carry [".gpu", ".base"]: the tests' teacher runs train.py, which needs hydra)
+# norms' two gradients reduced together, and every block's adaLN modulation in one matmul (fnn.linears). tests.sh's
+# gpu tests (~105 s), then the eager and graphed DiT-B/2 steps of the tree before the change (.base/, carried) and of
+# this one, each with --casts each and bulk, each its own process, in the order A B C D D C B A while time is left.
+#   mkdir -p .base && git archive BASE flm benchmarks | tar -x -C .base   # BASE: 2fa86e9, before the change
+#   LIMIT=SECONDS bash tools/gpu/ops.sh   (carry [".gpu", ".base"])
 set -u; cd "$(dirname "$0")/../.."; LIMIT=${LIMIT:-590}; source tools/gpu/env.sh
-timeout 200 python -m pytest -q -m gpu tests --ignore=tests/attention/test_tma_gpu.py \
-  --ignore=tests/attention/test_triton_jvp_gpu.py --tb=short -p no:cacheprovider -rs > $OUT/gputests.log 2>&1
-echo "gpu tests rc=$? $(left)"; tail -n 3 $OUT/gputests.log; grep -E "^FAILED" $OUT/gputests.log
+bash tools/gpu/tests.sh
 n=0
 for variant in base:each base:bulk new:each new:bulk new:bulk new:each base:bulk base:each; do
   [ $(rest) -gt 75 ] || break
