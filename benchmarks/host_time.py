@@ -66,9 +66,10 @@ def layer_rows(device, calls, repeats, sync, backends):
 
 
 def step_rows(device, depth, objectives, backends, steps, repeats, sync, casts=("fp32",)):
-    """(objective, backend, casts, ms) per step. casts: fp32 (no autocast), each (bf16 autocast, one cast of each
-    parameter per loss and one of its gradient: the loop's default) or bulk (bf16, trainer.bulk_casts=true: all
-    parameters in one op, all gradients in one; flm.nn.cast_cache). The kinds are timed in alternating rounds."""
+    """(objective, backend, casts, ms) per step. casts: fp32 (no autocast), each (bf16 autocast,
+    trainer.bulk_casts=false: one cast of each parameter per loss and one of its gradient) or bulk (bf16, the loop's
+    default: all parameters in one op, all gradients in one; flm.nn.cast_cache). The kinds are timed in alternating
+    rounds."""
     out = []
     for backend in backends:
         for name in objectives:

@@ -60,7 +60,7 @@ class Census(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def census(objective: str, backend: str, mode: str, model: str, tokens: int, casts: str = "each") -> Census:
+def census(objective: str, backend: str, mode: str, model: str, tokens: int, casts: str = "bulk") -> Census:
     args = train_step.parse_args(
         ["--models", model, "--tokens", str(tokens), "--batch-tokens", str(2 * tokens), "--channels", "1"]
         + ["--num-classes", "10", "--objectives", objective, "--backends", backend, "--modes", mode, "--bf16"]
@@ -90,7 +90,7 @@ def main(argv=None):
     p.add_argument("--model", default="DiT-S/2", choices=list(MODEL_SIZES), metavar="MODEL", help="a DiT size (default DiT-S/2)")
     p.add_argument("--tokens", type=int, default=16, help="a square number (default 16: the counts do not depend on it)")
     p.add_argument("--lines", type=int, default=30, help="source lines to list (default 30)")
-    p.add_argument("--casts", choices=["each", "bulk"], default="each", help="the parameters' casts (train_step.py's --casts)")
+    p.add_argument("--casts", choices=["each", "bulk"], default="bulk", help="the parameters' casts (train_step.py's --casts)")
     args = p.parse_args(argv)
     if not interpreted():
         raise SystemExit("error: the census runs flm's Triton kernels on the CPU: run it with TRITON_INTERPRET=1")

@@ -122,9 +122,10 @@ def parse_args(argv=None):
     p.add_argument(
         "--casts",
         choices=["each", "bulk"],
-        default="each",
-        help="the trainable parameters' autocast casts: each (the loop's default: one cast per parameter and one per "
-        "gradient) or bulk (trainer.bulk_casts=true: one op for all of them, one for all their gradients)",
+        default="bulk",
+        help="the trainable parameters' autocast casts: bulk (the loop's default, trainer.bulk_casts=true: one op for "
+        "all of them, one for all their gradients) or each (trainer.bulk_casts=false: one cast per parameter and one "
+        "per gradient)",
     )
     p.add_argument("--tiny", action="store_true", help="CPU smoke check: DiT-T/2, 16 tokens, fp32, 2 steps")
     p.add_argument(

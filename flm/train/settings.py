@@ -24,7 +24,7 @@ class TrainerConfig:
     compile: bool = False  # torch.compile: the model, or a JVP objective's loss (jvp_mode=func, math/triton_jvp, one process)
     compile_mode: str = "default"  # torch.compile's mode: default | reduce-overhead (CUDA graphs over the compiled code) | ...
     cuda_graph: bool = False  # replay loss + backward as one CUDA graph (one GPU or DDP, not FSDP2; flm.train.graphs)
-    bulk_casts: bool = False  # bf16 casts of the trainable parameters in one op per loss (flm.nn.cast_cache); not under DDP
+    bulk_casts: bool = True  # bf16 casts of the trainable parameters in one op per loss (flm.nn.cast_cache); not under DDP
     parallel: str = "ddp"  # under torchrun: ddp | fsdp (FSDP2: parameters, gradients, optimizer state and EMA sharded)
     class_conditional: bool = True  # condition on the dataset's labels (enables cfg_scale when sampling)
     ema_decays: list[float] = field(default_factory=lambda: [0.999])

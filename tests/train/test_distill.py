@@ -220,21 +220,22 @@ def test_stop_and_resume_is_bit_exact_with_every_network(tmp_path, teacher, trai
 def test_bulk_casts_train_every_network_as_per_parameter_casts_do_to_the_bit(
     tmp_path, teacher, train_run, monkeypatch, name, extra
 ):
-    """With trainer.bulk_casts under bf16 autocast in one process the loop casts the trainable parameters in bulk:
-    the student, the fake score and the discriminator end where one cast per parameter leaves them, to the bit, with
-    gradient accumulation and rCM's alternating steps (a network a step leaves unused gets no gradient)."""
+    """Under bf16 autocast in one process the loop casts the trainable parameters in bulk by default
+    (trainer.bulk_casts): the student, the fake score and the discriminator end where one cast per parameter leaves
+    them, to the bit, with gradient accumulation and rCM's alternating steps (a network a step leaves unused gets no
+    gradient)."""
     import flm.nn as fnn
 
     common = objective_of(name, teacher, extra) + STUDENT[:2] + extra
-    common += ["trainer.precision=bf16", "trainer.grad_accum=2", "trainer.keep_last=1", "trainer.bulk_casts=true"]
+    common += ["trainer.precision=bf16", "trainer.grad_accum=2", "trainer.keep_last=1"]
     bulk_calls = []
     cast_in_bulk = fnn._cast_in_bulk
     monkeypatch.setattr(fnn, "_cast_in_bulk", lambda params: bulk_calls.append(len(params)) or cast_in_bulk(params))
     train_run(tmp_path / "bulk", common)
     assert bulk_calls and all(n > 0 for n in bulk_calls)
     bulk_calls.clear()
-    train_run(tmp_path / "off", [o for o in common if o != "trainer.bulk_casts=true"] + ["trainer.max_steps=1"])
-    assert bulk_calls and not any(bulk_calls)  # off by default: nothing in bulk
+    train_run(tmp_path / "off", common + ["trainer.bulk_casts=false", "trainer.max_steps=1"])
+    assert bulk_calls and not any(bulk_calls)  # turned off: nothing in bulk
     monkeypatch.setattr(fnn, "_cast_in_bulk", lambda params: None)
     train_run(tmp_path / "each", common)
     bulk, each = (checkpoint.load(str(tmp_path / run / "checkpoints" / "ckpt-00000004.pt")) for run in ("bulk", "each"))
@@ -459,15 +460,15 @@ def test_a_graphed_run_with_a_second_trained_network_follows_the_eager_run(tmp_p
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["rcm_gan", "meanflow_distill"])
 def test_on_a_gpu_bulk_casts_train_as_per_parameter_casts_eager_and_graphed(tmp_path, teacher, train_run, name):
-    """trainer.bulk_casts on CUDA (its foreach copies between float32 and bf16), eager and inside CUDA graphs (rCM-GAN's
-    three: sCD, the fake score, the student with DMD and the GAN term): the losses and the student of per-parameter
-    casts, to the GPU kernels' run-to-run noise."""
+    """trainer.bulk_casts (the default) on CUDA (its foreach copies between float32 and bf16), eager and inside CUDA
+    graphs (rCM-GAN's three: sCD, the fake score, the student with DMD and the GAN term): the losses and the student
+    of per-parameter casts, to the GPU kernels' run-to-run noise."""
     from .test_graphs import read_losses
 
     common = objective_of(name, teacher) + STUDENT[:2] + ["attention=triton_jvp", "trainer.device=cuda", "trainer.max_steps=6"]
     common += ["objective.warmup_steps=2", "objective.dmd_start=2", "objective.disc_width=8"] if name == "rcm_gan" else []
     common += ["trainer.log_every=1"]
-    runs = {"each": [], "bulk": ["trainer.bulk_casts=true"], "bulk_graph": ["trainer.bulk_casts=true", "trainer.cuda_graph=true"]}
+    runs = {"each": ["trainer.bulk_casts=false"], "bulk": [], "bulk_graph": ["trainer.cuda_graph=true"]}
     for run, extra in runs.items():
         train_run(tmp_path / run, common + extra)
     losses = {run: torch.tensor(read_losses(tmp_path / run)) for run in runs}

@@ -2,8 +2,9 @@
 #   LIMIT=SECONDS [SEEDS="0 1"] bash tools/gpu/next.sh   (carry [".gpu"]; LIMIT: the call's own limit, which decides what fits)
 # Issue 14's protocol on an H200 with attention=auto students (train.py's default; 1.48x / 1.16x over four seeds on an
 # H100, sixtieth day): the attention=auto teacher unless this warm machine already holds it, then the students of SEEDS
-# while time is left, each alone on the GPU. One student fits from 450 s with the teacher, two in 470 s without:
-# chain `LIMIT=470 SEEDS="2 3" bash tools/gpu/next.sh` at once on the same machine (its idle release is 30 s).
+# while time is left, each alone on the GPU. One student fits from 450 s with the teacher (the teacher took 283 s of an
+# H200 call, sixty-first day), two in 470 s without: chain `LIMIT=470 SEEDS="1 2" bash tools/gpu/next.sh` at once on the
+# same machine (its idle release is 30 s).
 set -u; cd "$(dirname "$0")/../.."; LIMIT=${LIMIT:-590}; source tools/gpu/env.sh
 snap() { tar -cf $OUT/qsnap.tar runs/qout $(ls -d runs/q/*/*.log runs/q/*/*.jsonl 2>/dev/null) 2>/dev/null; }
 if [ ! -f runs/q/fmqa2/checkpoints/ckpt-00005180.pt ]; then
