@@ -9,9 +9,7 @@
 set -u; cd "$(dirname "$0")/../.."; LIMIT=${LIMIT:-590}; source tools/gpu/env.sh
 export TRITON_CACHE_DIR=$(mktemp -d)
 if [ "${PART:-tests}" = tests ]; then
-  timeout 200 python -m pytest -q -m gpu tests --ignore=tests/attention/test_tma_gpu.py \
-    --ignore=tests/attention/test_triton_jvp_gpu.py --tb=short -p no:cacheprovider -rs > $OUT/gputests_part1.log 2>&1
-  echo "gpu tests part 1 rc=$? $(left)"; tail -n 4 $OUT/gputests_part1.log; grep -E "^FAILED" $OUT/gputests_part1.log
+  bash tools/gpu/tests.sh  # part 1: the gpu tests outside the two attention-kernel files
   for f in test_triton_jvp_gpu test_tma_gpu; do
     [ $(rest) -gt 40 ] || break
     timeout $(( $(rest) - 10 )) python -m pytest -q -m gpu tests/attention/$f.py --tb=short -p no:cacheprovider -rs \

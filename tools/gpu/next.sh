@@ -10,9 +10,11 @@ snap() { tar -cf $OUT/qsnap.tar runs/qout $(ls -d runs/q/*/*.log runs/q/*/*.json
 if [ ! -f runs/q/fmqa2/checkpoints/ckpt-00005180.pt ]; then
   q fmqa2 --attention auto --runs "fmqa2:flow_matching:5180:trainer.ckpt_every=4300,trainer.keep_last=0"; snap
 fi
+# a student's budget: a quarter of this teacher's GPU seconds on this GPU (215 s on an H100, 192 on an H200)
+quarter=$(python -c "from benchmarks.quality import teacher_seconds as t; print(round(t(['objective.teacher=runs/q/fmqa2']) / 4))")
 for seed in ${SEEDS:-0 1}; do
   [ $(rest) -gt 200 ] || break
   q rcmgqaa$seed --attention auto --weights ema0.99 ema0.995 \
-    --runs "rcmgqaa$seed:rcm_gan:54s:objective.teacher=RUNS/fmqa2,trainer.seed=$seed,trainer.ema_decays=[0.99,0.995]"; snap
+    --runs "rcmgqaa$seed:rcm_gan:${quarter}s:objective.teacher=RUNS/fmqa2,trainer.seed=$seed,trainer.ema_decays=[0.99,0.995]"; snap
 done
 pack; rm -f $OUT/qsnap.tar; echo "end $(left)"
