@@ -1,5 +1,5 @@
 # The next device calls (docs/quality.md, "Next on the H200", item f), after tools/gpu/pack.sh:
-#   LIMIT=SECONDS [SEEDS="0 1"] bash tools/gpu/next.sh   (carry [".gpu"]; LIMIT: the call's own limit, which decides what fits)
+#   LIMIT=SECONDS [SEEDS="0 1 2 3"] bash tools/gpu/next.sh   (carry [".gpu"]; LIMIT: the call's own limit, which decides what fits)
 # Issue 14's protocol on an H200 with attention=auto students (train.py's default; 1.48x / 1.16x over four seeds on an
 # H100, sixtieth day): the attention=auto teacher unless this warm machine already holds it, then the students of SEEDS
 # (default 0 1 2 3) that this machine has not scored yet, while time is left, each alone on the GPU. The teacher took
