@@ -62,6 +62,7 @@ from flm.train.settings import (
     check_compile,
     check_cuda_graph,
     check_prediction,
+    resolve_cuda_graph,
     local_batch_size,
     takes_jvp,
 )
@@ -351,8 +352,11 @@ def train(
     micro_batch = local_batch_size(trainer.batch_size, trainer.grad_accum, world)
     dtype = amp_dtype(trainer.precision, device)
     model.check_runs(device, dtype)
-    if trainer.cuda_graph:
+    if trainer.cuda_graph is True:
         check_cuda_graph(trainer, device, world)
+    auto_graph = trainer.cuda_graph == "auto"
+    graphed, why_eager = resolve_cuda_graph(trainer, device, world, objective)
+    trainer = dataclasses.replace(trainer, cuda_graph=graphed)  # a bool from here on
     check_compile(trainer, objective, world, model.attention)
     resume_from = checkpoint.resolve_resume(trainer.resume, run_dir)
     if model.prediction == "auto":  # a resumed run keeps its own; a distilled student predicts as its teacher
@@ -380,6 +384,8 @@ def train(
                 f"nothing to train; pass trainer.max_steps > {state.step} to continue the run"
             )
     dist.info0(banner(run_dir, state, objective, dataset, trainer, device, dtype, micro_batch, resume_from))
+    if auto_graph:
+        dist.info0("trainer.cuda_graph=auto: " + ("CUDA-graph steps" if graphed else f"eager steps, since {why_eager}"))
     shape = (dataset.channels, dataset.resolution, dataset.resolution)
     steps = trainer.sample_steps or objective.sample_steps
     per_rank = micro_batch * trainer.grad_accum  # images per rank per step: the sampling batch

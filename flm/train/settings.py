@@ -23,7 +23,8 @@ class TrainerConfig:
     precision: str = "auto"  # auto (bf16 autocast on CUDA, fp32 on CPU) | bf16 | fp32
     compile: bool = False  # torch.compile: the model, or a JVP objective's loss (jvp_mode=func, math/triton_jvp, one process)
     compile_mode: str = "default"  # torch.compile's mode: default | reduce-overhead (CUDA graphs over the compiled code) | ...
-    cuda_graph: bool = False  # replay loss + backward as one CUDA graph (one GPU or DDP, not FSDP2; flm.train.graphs)
+    cuda_graph: bool | str = False  # replay loss + backward as one CUDA graph (one GPU or DDP, not FSDP2; flm.train.graphs);
+    # auto: where it can run (resolve_cuda_graph), eager elsewhere
     bulk_casts: bool = True  # bf16 casts of the trainable parameters in one op per loss (flm.nn.cast_cache); not under DDP
     parallel: str = "ddp"  # under torchrun: ddp | fsdp (FSDP2: parameters, gradients, optimizer state and EMA sharded)
     class_conditional: bool = True  # condition on the dataset's labels (enables cfg_scale when sampling)
@@ -68,6 +69,8 @@ class TrainerConfig:
             raise ValueError(f"trainer.precision must be auto, bf16 or fp32, got {self.precision!r}")
         if self.parallel not in PARALLEL:
             raise ValueError(f"trainer.parallel must be one of {', '.join(PARALLEL)}, got {self.parallel!r}")
+        if isinstance(self.cuda_graph, str) and self.cuda_graph != "auto":
+            raise ValueError(f"trainer.cuda_graph must be true, false or auto, got {self.cuda_graph!r}")
         if self.compile_mode not in COMPILE_MODES:
             raise ValueError(f"trainer.compile_mode must be one of {', '.join(COMPILE_MODES)}, got {self.compile_mode!r}")
 
@@ -93,6 +96,32 @@ def check_cuda_graph(trainer: TrainerConfig, device: torch.device, world: int) -
     """trainer.cuda_graph=true captures each process's loss + backward of one micro-batch (replayed once per
     micro-batch; under DDP the gradients are averaged after the replays, flm.train.parallel.wrap); refuse what
     it cannot capture."""
+    problems = cuda_graph_problems(trainer, device, world)
+    if problems:
+        raise ValueError("trainer.cuda_graph=true cannot run here: " + "; ".join(problems) + ". Set trainer.cuda_graph=false")
+
+
+def resolve_cuda_graph(trainer: TrainerConfig, device: torch.device, world: int, objective) -> tuple[bool, str | None]:
+    """trainer.cuda_graph as true or false, and why `auto` chose eager steps (None otherwise). auto graphs the step
+    where true would run (cuda_graph_problems) and the objective updates every network each step or says which it
+    updates at each step (`phase`, flm.objectives.protocol), so that no case it picks is refused later."""
+    if trainer.cuda_graph != "auto":
+        return bool(trainer.cuda_graph), None
+    problems = cuda_graph_problems(trainer, device, world)
+    if not problems and _alternates_without_phase(objective):
+        problems.append(f"{type(objective).__name__} alternates the networks it updates without a phase(step) method")
+    return not problems, "; ".join(problems) or None
+
+
+def _alternates_without_phase(objective) -> bool:
+    """An objective with trainable networks of its own (a fake score) and no phase(step): its steps may differ in the
+    networks they update, which one captured graph cannot replay."""
+    networks = getattr(objective, "networks", {})
+    return any(network.trainable for network in networks.values()) and not hasattr(objective, "phase")
+
+
+def cuda_graph_problems(trainer: TrainerConfig, device: torch.device, world: int) -> list[str]:
+    """What keeps a CUDA graph from capturing this run's step, one phrase each; empty where it can."""
     problems = []
     if device.type != "cuda":
         problems.append(f"it needs a CUDA device, and this run is on {device}")
@@ -104,8 +133,7 @@ def check_cuda_graph(trainer: TrainerConfig, device: torch.device, world: int) -
         )
     if trainer.compile:
         problems.append("it replaces torch.compile, and trainer.compile=true")
-    if problems:
-        raise ValueError("trainer.cuda_graph=true cannot run here: " + "; ".join(problems) + ". Set trainer.cuda_graph=false")
+    return problems
 
 
 def takes_jvp(objective) -> bool:

@@ -7,6 +7,7 @@ The CUDA tests are marked gpu; the input check, the gradient hand-over and the r
 
 import contextlib
 import copy
+import logging
 
 import pytest
 import torch
@@ -16,7 +17,8 @@ from flm import dist
 from flm.objectives import build_objective
 from flm.train import loop, parallel
 from flm.train.graphs import GraphedStep, take_grads
-from flm.train.settings import TrainerConfig, check_cuda_graph
+from flm.objectives.protocol import Network
+from flm.train.settings import TrainerConfig, check_cuda_graph, resolve_cuda_graph
 from tests.models.tiny import tiny_dit
 
 
@@ -137,6 +139,59 @@ def test_the_loop_refuses_what_a_graph_cannot_capture(tmp_path, train_run, overr
     with pytest.raises(ValueError, match=f"trainer.cuda_graph=true cannot run here: .*{message}.*Set trainer.cuda_graph=false"):
         train_run(tmp_path, ["trainer.cuda_graph=true", *overrides])
     assert not (tmp_path / "checkpoints").exists()
+
+
+def test_auto_graphs_where_true_would_run_and_says_why_not_elsewhere():
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")  # device objects only: nothing runs on them
+    meanflow = build_objective("meanflow")
+    auto = lambda **kw: TrainerConfig(cuda_graph="auto", **kw)  # noqa: E731
+    assert resolve_cuda_graph(auto(), cuda, 1, meanflow) == (True, None)
+    assert resolve_cuda_graph(auto(parallel="ddp", grad_accum=2), cuda, 8, meanflow) == (True, None)
+    assert resolve_cuda_graph(auto(parallel="fsdp"), cuda, 1, meanflow) == (True, None)  # one process: nothing sharded
+    for trainer, device, world, reason in [
+        (auto(), cpu, 1, "needs a CUDA device, and this run is on cpu"),
+        (auto(parallel="fsdp"), cuda, 2, "FSDP2 (2 processes"),
+        (auto(compile=True), cuda, 1, "replaces torch.compile"),
+    ]:
+        graphed, why = resolve_cuda_graph(trainer, device, world, meanflow)
+        assert not graphed and reason in why
+    # true and false pass as they are; true's refusals stay check_cuda_graph's errors
+    assert resolve_cuda_graph(TrainerConfig(cuda_graph=True), cpu, 1, meanflow) == (True, None)
+    assert resolve_cuda_graph(TrainerConfig(cuda_graph=False), cuda, 1, meanflow) == (False, None)
+
+
+class _Alternating:
+    """An objective with a trainable network of its own (a fake score) and, unless `phase`, no phase(step)."""
+
+    def __init__(self):
+        self.networks = {"fake_score": Network(build=None, trainable=True), "teacher": Network(build=None)}
+
+
+class _Phased(_Alternating):
+    def phase(self, step):
+        return "fake_score" if step % 2 else "model"
+
+
+def test_auto_leaves_an_objective_that_alternates_without_phases_eager():
+    cuda = torch.device("cuda", 0)
+    graphed, why = resolve_cuda_graph(TrainerConfig(cuda_graph="auto"), cuda, 1, _Alternating())
+    assert not graphed and "_Alternating alternates the networks it updates without a phase(step) method" in why
+    assert resolve_cuda_graph(TrainerConfig(cuda_graph="auto"), cuda, 1, _Phased()) == (True, None)
+    frozen_only = _Alternating()
+    frozen_only.networks = {"teacher": Network(build=None)}  # a teacher alone: every step updates the model only
+    assert resolve_cuda_graph(TrainerConfig(cuda_graph="auto"), cuda, 1, frozen_only) == (True, None)
+
+
+def test_cuda_graph_takes_true_false_or_auto():
+    with pytest.raises(ValueError, match="trainer.cuda_graph must be true, false or auto, got 'always'"):
+        TrainerConfig(cuda_graph="always")
+
+
+def test_auto_on_the_cpu_trains_eager_and_says_so(tmp_path, train_run, caplog):
+    with caplog.at_level(logging.INFO, logger="flm"):
+        train_run(tmp_path, ["trainer.cuda_graph=auto"])
+    assert "trainer.cuda_graph=auto: eager steps, since it needs a CUDA device, and this run is on cpu" in caplog.text
+    assert (tmp_path / "checkpoints" / "ckpt-00000004.pt").exists()
 
 
 def test_fsdp2_is_refused_with_the_reason_and_ddp_with_accumulation_is_not():
