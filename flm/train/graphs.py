@@ -37,6 +37,18 @@ def _end_failed_capture(cuda_rng: torch.Tensor) -> None:
     torch.cuda.set_rng_state(cuda_rng)
 
 
+class CaptureFailed(RuntimeError):
+    """The step could not be captured: it synchronises with the host or uses another stream. `reason`: CUDA's error.
+    .grad and both random generators are as before the warm-up, so the caller may run the step eagerly instead."""
+
+    def __init__(self, reason: str):
+        self.reason = reason
+        super().__init__(
+            f"the training step could not be captured as a CUDA graph ({reason}); something in the step synchronises "
+            f"with the host or uses another stream. Set trainer.cuda_graph=false to train eagerly"
+        )
+
+
 class GraphedStep:
     def __init__(self, step_fn, params, *, warmup: int = 3):
         """step_fn(*inputs) -> (loss, metrics dict of tensors), with the backward inside.
@@ -73,11 +85,9 @@ class GraphedStep:
                 self.static_out = self.step_fn(*self.static_inputs)
         except RuntimeError as err:  # torch.AcceleratorError included
             _end_failed_capture(rng[1])
-            raise RuntimeError(
-                f"the training step could not be captured as a CUDA graph ({str(err).splitlines()[0]}); something in "
-                f"the step synchronises with the host or uses another stream. Set trainer.cuda_graph=false to train "
-                f"eagerly"
-            ) from err
+            torch.set_rng_state(rng[0])
+            self.graph = None
+            raise CaptureFailed(str(err).splitlines()[0]) from err
         finally:
             for p, g in zip(self.params, before):
                 p.grad = g

@@ -52,7 +52,7 @@ from flm.objectives.teacher import matmuls_in_bf16
 from flm.train import checkpoint
 from flm.train.ema import EMA, ema_key
 from flm.train.evaluation import InTraining
-from flm.train.graphs import GraphedStep
+from flm.train.graphs import CaptureFailed, GraphedStep
 from flm.train.optim import OptimConfig, Optimizer, with_decay_steps
 from flm.train.parallel import grad_sync, sharded, wrap, wrap_copy, wrapper_syncs
 from flm.train.sampling import class_labels, generate, save_grid
@@ -453,13 +453,28 @@ def train(
 
     # a graph replays what it captured: the step (sCM's tangent warm-up) goes in as a tensor, and an
     # alternating objective's kinds of step are one graph each
-    graphs = {}
+    graphs, eager_phases = {}, set()
 
     def graphed_step(x, y, step):
         phase = phase_at(step)
+        if phase in eager_phases:
+            return eager_step(x, y, step)
         if phase not in graphs:
             graphs[phase] = GraphedStep(lambda x, step, y=None: loss_and_backward(x, y, step, phase), params)
-        return graphs[phase](x, to_device(torch.tensor(step), device), *(() if y is None else (y,)))
+        try:
+            return graphs[phase](x, to_device(torch.tensor(step), device), *(() if y is None else (y,)))
+        except CaptureFailed as err:
+            if not auto_graph:
+                raise
+            # auto: what cannot be captured runs as it would eagerly (the failed capture left .grad and the random
+            # generators as they were)
+            dist.info0(
+                f"trainer.cuda_graph=auto: the step{'' if phase is None else f' of kind {phase!r}'} could not be "
+                f"captured as a CUDA graph ({err.reason}): eager steps for it from here on"
+            )
+            del graphs[phase]
+            eager_phases.add(phase)
+            return eager_step(x, y, step)
 
     step_fn = graphed_step if trainer.cuda_graph else eager_step
 

@@ -16,7 +16,7 @@ import torch.distributed as torch_dist
 from flm import dist
 from flm.objectives import build_objective
 from flm.train import loop, parallel
-from flm.train.graphs import GraphedStep, take_grads
+from flm.train.graphs import CaptureFailed, GraphedStep, take_grads
 from flm.objectives.protocol import Network
 from flm.train.settings import TrainerConfig, check_cuda_graph, resolve_cuda_graph
 from tests.models.tiny import tiny_dit
@@ -269,10 +269,45 @@ def test_a_step_that_syncs_with_the_host_cannot_be_captured_and_says_so():
         loss.backward()
         return loss, {"as_float": loss.item()}  # a host sync: not allowed while capturing
 
-    with pytest.raises(RuntimeError, match="could not be captured as a CUDA graph.*trainer.cuda_graph=false"):
+    w.grad = torch.full_like(w, 7.0)
+    rng = torch.get_rng_state(), torch.cuda.get_rng_state()
+    with pytest.raises(CaptureFailed, match="could not be captured as a CUDA graph.*trainer.cuda_graph=false"):
         GraphedStep(syncs, [w])(torch.ones(3, device="cuda"))
+    # what an eager step would then find: .grad and both generators as before the warm-up (trainer.cuda_graph=auto
+    # runs the step eagerly after this)
+    assert torch.equal(w.grad, torch.full_like(w, 7.0))
+    assert torch.equal(torch.get_rng_state(), rng[0]) and torch.equal(torch.cuda.get_rng_state(), rng[1])
     # the process can still draw random numbers on the GPU (a failed capture leaves the generator capturing)
     assert torch.randn(4, device="cuda").isfinite().all()
+
+
+class _CannotCapture:
+    """GraphedStep as it behaves for a step that cannot be captured."""
+
+    def __init__(self, step_fn, params):
+        pass
+
+    def __call__(self, *inputs):
+        raise CaptureFailed("operation not permitted when stream is capturing")
+
+
+@pytest.mark.parametrize("setting", ["auto", "true"])
+def test_auto_trains_eagerly_what_cannot_be_captured_and_true_stops(tmp_path, train_run, monkeypatch, caplog, setting):
+    """The loop's side, on the CPU: auto resolved to a graph (as on a GPU) whose capture fails runs that kind of step
+    eagerly, as the same run with cuda_graph=false does; true stops with the capture's error."""
+    monkeypatch.setattr(loop, "resolve_cuda_graph", lambda trainer, *_: (trainer.cuda_graph is not False, None))
+    monkeypatch.setattr(loop, "check_cuda_graph", lambda *_: None)
+    monkeypatch.setattr(loop, "GraphedStep", _CannotCapture)
+    run = [f"trainer.cuda_graph={setting}", "trainer.log_every=1"]
+    if setting == "true":
+        with pytest.raises(CaptureFailed, match="Set trainer.cuda_graph=false"):
+            train_run(tmp_path / "graph", run)
+        return
+    with caplog.at_level(logging.INFO, logger="flm"):
+        train_run(tmp_path / "graph", run)
+    assert caplog.text.count("could not be captured as a CUDA graph (operation not permitted") == 1  # once per kind
+    train_run(tmp_path / "eager", ["trainer.cuda_graph=false", "trainer.log_every=1"])
+    assert read_losses(tmp_path / "graph") == read_losses(tmp_path / "eager")
 
 
 def _micro_step(objective, model, grad_accum: int):
