@@ -62,8 +62,8 @@ from flm.train.settings import (
     check_compile,
     check_cuda_graph,
     check_prediction,
-    resolve_cuda_graph,
     local_batch_size,
+    resolve_cuda_graph,
     takes_jvp,
 )
 from flm.train.state import TrainState, key
