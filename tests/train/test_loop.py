@@ -347,22 +347,29 @@ def test_step_ms_leaves_out_each_kind_of_steps_first_run(tmp_path, train_run, mo
 
 def test_step_ms_leaves_out_grids_and_checkpoints(tmp_path, train_run, monkeypatch):
     """A window's step_ms is the steps' own time: a slow grid (at step 2, the end of the first window) and slow
-    checkpoint writes (every step) fall outside every window."""
+    checkpoint writes (every step) fall outside every window. The slowness is the loop's clock moved on by 1000 s, not a
+    sleep, so that a busy CPU cannot fail the test."""
     import time
 
     from flm.train import loop, state
 
+    real_clock, skipped = time.perf_counter, [0.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: real_clock() + skipped[0])
+
     def slow(real):
-        return lambda *a, **k: (time.sleep(1.0), real(*a, **k))[1]
+        def call(*args, **kwargs):
+            skipped[0] += 1000.0
+            return real(*args, **kwargs)
+
+        return call
 
     monkeypatch.setattr(loop, "sample_grid", slow(loop.sample_grid))
     monkeypatch.setattr(state.TrainState, "save", slow(state.TrainState.save))
     train_run(tmp_path, ["trainer.sample_every=2", "trainer.ckpt_every=1", "trainer.keep_last=1"])
     windows = read_metrics(tmp_path)
     assert [m["step"] for m in windows] == [2, 4]
-    # a DiT-T/4 step takes ~10-30 ms here (the first up to ~300 on a busy CPU); one 1 s pause counted in a window of
-    # 2 steps would add 500 ms a step, and each window ran through 2-3 of them
-    assert all(m["step_ms"] < 450 for m in windows), [m["step_ms"] for m in windows]
+    # one 1000 s jump counted in a window of 2 steps would add 500,000 ms a step; each window saw 2-3 of them
+    assert all(m["step_ms"] < 100_000 for m in windows), [m["step_ms"] for m in windows]
 
 
 def test_the_training_loop_with_the_kernels_logs_pytorchs_losses(tmp_path, monkeypatch, cfg_of, train_entry):
