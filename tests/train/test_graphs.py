@@ -15,9 +15,9 @@ import torch.distributed as torch_dist
 
 from flm import dist
 from flm.objectives import build_objective
+from flm.objectives.protocol import Network
 from flm.train import loop, parallel
 from flm.train.graphs import CaptureFailed, GraphedStep, take_grads
-from flm.objectives.protocol import Network
 from flm.train.settings import TrainerConfig, check_cuda_graph, resolve_cuda_graph
 from tests.models.tiny import tiny_dit
 
