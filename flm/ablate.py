@@ -84,6 +84,7 @@ class Result:
     losses: list[float] = dataclasses.field(default_factory=list)  # one per step
     step_ms: float | None = None  # median after the warm-up steps; with repeats, the median of the runs' medians
     step_ms_runs: list[float] = dataclasses.field(default_factory=list)  # each run's median, in the order they ran
+    steps: str | None = None  # how the timed steps ran (trainer.cuda_graph): "CUDA graph", "eager" or "mixed"
     images_per_s: float | None = None
     peak_gib: float | None = None  # CUDA only
     grads: dict[str, torch.Tensor] | None = None  # from probe(), float32 on the CPU
@@ -146,12 +147,15 @@ def train_with(
     # student's steps alone
     curve = "mse" if any("mse" in r for r in records) else "loss"
     median_ms = statistics.median([r["step_ms"] for r in records][warmup:] or [r["step_ms"] for r in records])
+    graphed = {r["cuda_graph"] for r in records if "cuda_graph" in r}
+    steps = {frozenset([True]): "CUDA graph", frozenset([False]): "eager"}.get(frozenset(graphed), "mixed" if graphed else None)
     result = Result(
         backend,
         curve=curve,
         losses=[float(r[curve]) for r in records if curve in r],
         step_ms=median_ms,
         step_ms_runs=[median_ms],
+        steps=steps,
         images_per_s=cfg.trainer.batch_size * 1000 / median_ms,
         peak_gib=max((r["gpu_mem_gib"] for r in records if "gpu_mem_gib" in r), default=None),
     )
@@ -299,9 +303,9 @@ def table(results: list[Result], title: str, lines: list[str], curve: str) -> st
         "",
         *lines,
         "",
-        f"| backend | ms / step (median) | images / s | peak GiB | final {curve} | {curve} diff | grad rel err "
+        f"| backend | ms / step (median) | steps | images / s | peak GiB | final {curve} | {curve} diff | grad rel err "
         "| tangent rel err | check |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         if r.skipped:
@@ -318,6 +322,7 @@ def table(results: list[Result], title: str, lines: list[str], curve: str) -> st
                 [
                     f"| {r.backend}",
                     _fmt(r.step_ms, ".1f") + _spread(r.step_ms_runs),
+                    r.steps or "-",
                     _fmt(r.images_per_s, ".1f"),
                     peak,
                     _fmt(r.losses[-1] if r.losses else None, ".4f"),

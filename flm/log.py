@@ -51,7 +51,7 @@ def progress_line(step: int, max_steps: int, metrics: dict, elapsed: float, eta:
     if "images_per_s" in metrics:
         parts.append(f"{metrics['images_per_s']:.0f} img/s")
     if "step_ms" in metrics:
-        parts.append(f"{metrics['step_ms']:.1f} ms/step")
+        parts.append(f"{metrics['step_ms']:.1f} ms/step" + (" (CUDA graph)" if metrics.get("cuda_graph") else ""))
     if "gpu_mem_gib" in metrics:
         parts.append(f"{metrics['gpu_mem_gib']:.2f} GiB")
     if "warmup_s" in metrics:  # compilation, capture: left out of ms/step

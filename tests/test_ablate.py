@@ -54,8 +54,8 @@ def test_ablation_table_plot_and_flags(tmp_path):
     assert row(md, "flash")[-1].startswith("skipped: attention backend 'flash' needs a CUDA GPU")
     for backend in ("sdpa", "triton_jvp"):
         cells = row(md, backend)
-        assert cells[3] == "n/a"  # peak GPU memory on the CPU
-        mse_diff, grad_err, tangent_err = (float(c.split(" ± ")[0]) for c in cells[5:8])
+        assert cells[2] == "eager" and cells[4] == "n/a"  # on the CPU: eager steps, no peak GPU memory
+        mse_diff, grad_err, tangent_err = (float(c.split(" ± ")[0]) for c in cells[6:9])
         assert mse_diff < 1e-3 and 0 < grad_err < 1e-4 and tangent_err < 1e-4  # agrees with math in fp32...
         assert cells[-1].startswith("**DRIFT**: grad") and "tangent" not in cells[-1]  # ...but not within 1e-30
     assert (tmp_path / "ablation.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -99,6 +99,7 @@ def test_multirun_records_metrics_per_backend(tmp_path):
         records = [json.loads(line) for line in (tmp_path / job / "metrics.jsonl").read_text().splitlines()]
         assert [r["step"] for r in records] == [1, 2]
         assert all(r["step_ms"] > 0 and r["images_per_s"] > 0 and math.isfinite(r["loss"]) for r in records)
+        assert all(r["cuda_graph"] is False for r in records)  # the CPU steps eagerly
 
 
 def test_repeats_time_each_backend_again_in_alternating_order(tmp_path, monkeypatch):
@@ -172,7 +173,7 @@ def test_a_distilled_student_is_ablated_with_its_teacher_fake_score_and_discrimi
     ablate(cfg, str(tmp_path / "ablation"), command="pytest")
     cells = row((tmp_path / "ablation" / "ablation.md").read_text(), "sdpa")
     # the probe's step (max_steps, 4) is a fake-score step: the student's gradient is taken at the next one
-    assert cells[-1] == "ok" and 0 < float(cells[6]) < 1e-4
+    assert cells[-1] == "ok" and 0 < float(cells[7]) < 1e-4
     numbers = json.loads((tmp_path / "ablation" / "ablation.json").read_text())
     # steps 1-2 sCD alone, 3 the fake score, 4 the student with DMD and the GAN term: the mse of the student's steps
     assert [(r["curve"], len(r["losses"])) for r in numbers["results"]] == [("mse", 3), ("mse", 3)]

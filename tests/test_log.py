@@ -16,3 +16,10 @@ def test_the_progress_line_shows_a_windows_warm_up_apart():
     line = progress_line(50, 100, {"loss": 0.1, "step_ms": 40.0, "warmup_s": 70.3}, elapsed=75.0, eta=2.0)
     assert "| 40.0 ms/step | warm-up 70.3 s |" in line
     assert "warm-up" not in progress_line(100, 100, {"loss": 0.1, "step_ms": 40.0}, elapsed=77.0, eta=0.0)
+
+
+def test_the_progress_line_says_when_the_steps_replayed_a_cuda_graph():
+    graphed = progress_line(50, 100, {"loss": 0.1, "step_ms": 40.0, "cuda_graph": True}, elapsed=5.0, eta=5.0)
+    assert "| 40.0 ms/step (CUDA graph) |" in graphed
+    eager = progress_line(50, 100, {"loss": 0.1, "step_ms": 40.0, "cuda_graph": False}, elapsed=5.0, eta=5.0)
+    assert "| 40.0 ms/step |" in eager

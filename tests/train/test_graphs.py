@@ -308,6 +308,32 @@ def test_auto_trains_eagerly_what_cannot_be_captured_and_true_stops(tmp_path, tr
     assert caplog.text.count("could not be captured as a CUDA graph (operation not permitted") == 1  # once per kind
     train_run(tmp_path / "eager", ["trainer.cuda_graph=false", "trainer.log_every=1"])
     assert read_losses(tmp_path / "graph") == read_losses(tmp_path / "eager")
+    assert not any(read_graphed(tmp_path / "graph"))  # its step_ms are eager steps'
+
+
+class _Replays:
+    """GraphedStep as the loop sees a captured step: each call runs it (here eagerly, on the CPU)."""
+
+    def __init__(self, step_fn, params):
+        self.step_fn = step_fn
+
+    def __call__(self, *inputs):
+        return self.step_fn(*inputs)
+
+
+def read_graphed(run_dir):
+    import json
+
+    return [json.loads(line)["cuda_graph"] for line in open(run_dir / "metrics.jsonl")]
+
+
+def test_the_metrics_say_whether_the_logged_steps_replayed_a_cuda_graph(tmp_path, train_run, monkeypatch):
+    monkeypatch.setattr(loop, "resolve_cuda_graph", lambda trainer, *_: (trainer.cuda_graph is not False, None))
+    monkeypatch.setattr(loop, "check_cuda_graph", lambda *_: None)
+    monkeypatch.setattr(loop, "GraphedStep", _Replays)
+    train_run(tmp_path / "graph", ["trainer.cuda_graph=true", "trainer.log_every=1"])
+    train_run(tmp_path / "eager", ["trainer.cuda_graph=false", "trainer.log_every=1"])
+    assert read_graphed(tmp_path / "graph") == [True] * 4 and read_graphed(tmp_path / "eager") == [False] * 4
 
 
 def _micro_step(objective, model, grad_accum: int):
