@@ -147,15 +147,13 @@ def train_with(
     # student's steps alone
     curve = "mse" if any("mse" in r for r in records) else "loss"
     median_ms = statistics.median([r["step_ms"] for r in records][warmup:] or [r["step_ms"] for r in records])
-    graphed = {r["cuda_graph"] for r in records if "cuda_graph" in r}
-    steps = {frozenset([True]): "CUDA graph", frozenset([False]): "eager"}.get(frozenset(graphed), "mixed" if graphed else None)
     result = Result(
         backend,
         curve=curve,
         losses=[float(r[curve]) for r in records if curve in r],
         step_ms=median_ms,
         step_ms_runs=[median_ms],
-        steps=steps,
+        steps=how_steps_ran(records),
         images_per_s=cfg.trainer.batch_size * 1000 / median_ms,
         peak_gib=max((r["gpu_mem_gib"] for r in records if "gpu_mem_gib" in r), default=None),
     )
@@ -286,6 +284,15 @@ def loss_gap(losses: list[float], ref: list[float]) -> tuple[float, float]:
 # ----------------------------------------------------------------------------------------------
 # Table and plot
 # ----------------------------------------------------------------------------------------------
+
+
+def how_steps_ran(records: list[dict]) -> str | None:
+    """How a run's timed steps ran, from its metrics.jsonl records (their cuda_graph): CUDA graph, eager or mixed;
+    None where they do not say (a run logged before flm recorded it)."""
+    graphed = {r["cuda_graph"] for r in records if "cuda_graph" in r}
+    if not graphed:
+        return None
+    return "mixed" if len(graphed) > 1 else "CUDA graph" if graphed.pop() else "eager"
 
 
 def _fmt(value, spec: str) -> str:

@@ -12,7 +12,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from flm.ablate import Result, ablate, compare, image_side
+from flm.ablate import Result, ablate, compare, how_steps_ran, image_side
 
 from .train.conftest import ROOT, TINY, run_script
 
@@ -73,6 +73,13 @@ def test_compare_flags_drift_and_nan():
     far = Result("x", losses=[1.0, math.nan], grads={"w": torch.ones(4) * 1.1}, tangent=torch.zeros(4))
     compare(far, ref, tols)
     assert [d.split()[0] for d in far.drift] == ["loss", "grad", "tangent"]
+
+
+def test_a_backends_steps_are_named_by_how_its_logged_windows_ran():
+    assert how_steps_ran([{"cuda_graph": True}, {"cuda_graph": True}]) == "CUDA graph"
+    assert how_steps_ran([{"cuda_graph": False}]) == "eager"
+    assert how_steps_ran([{"cuda_graph": True}, {"cuda_graph": False}]) == "mixed"  # a kind of step fell back to eager
+    assert how_steps_ran([{"step_ms": 1.0}]) is None  # an older run's records do not say
 
 
 def test_tokens_must_be_square():
