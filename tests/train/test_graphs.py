@@ -242,10 +242,11 @@ def test_a_graphed_run_follows_the_eager_run(tmp_path, train_run, objective, gra
 
 def assert_graphed_follows_eager(tmp_path, train_run, overrides, steps: int):
     """The losses of a run with trainer.cuda_graph=true against those of the same run eager (bf16 noise)."""
-    train_run(tmp_path / "eager", overrides)
+    train_run(tmp_path / "eager", [*overrides, "trainer.cuda_graph=false"])
     train_run(tmp_path / "graph", [*overrides, "trainer.cuda_graph=true"])
     eager, graph = (read_losses(tmp_path / name) for name in ("eager", "graph"))
     assert len(eager) == len(graph) == steps
+    assert not any(read_graphed(tmp_path / "eager")) and all(read_graphed(tmp_path / "graph"))
     assert torch.allclose(torch.tensor(graph), torch.tensor(eager), rtol=2e-2, atol=1e-4), (eager, graph)
 
 
@@ -279,6 +280,36 @@ def test_a_step_that_syncs_with_the_host_cannot_be_captured_and_says_so():
     assert torch.equal(torch.get_rng_state(), rng[0]) and torch.equal(torch.cuda.get_rng_state(), rng[1])
     # the process can still draw random numbers on the GPU (a failed capture leaves the generator capturing)
     assert torch.randn(4, device="cuda").isfinite().all()
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_auto_graphs_the_step_and_trains_eagerly_one_that_reads_the_host(tmp_path, train_run, monkeypatch, caplog):
+    """trainer.cuda_graph=auto on a real capture: a step that can be captured replays a graph; one whose loss reads a
+    value on the host fails its capture and then trains as the eager run does (the failed capture left .grad and the
+    generators as they were: other noise would move a batch of 4's loss by far more than the tolerance)."""
+    from flm.objectives.flow_matching import FlowMatching
+
+    common = ["objective=flow_matching", "attention=triton_jvp", "trainer.device=cuda", "trainer.log_every=1"]
+    train_run(tmp_path / "auto", [*common, "trainer.cuda_graph=auto"])
+    assert all(read_graphed(tmp_path / "auto"))
+
+    loss = FlowMatching.loss
+
+    def reads_the_host(self, *args, **kwargs):
+        out = loss(self, *args, **kwargs)
+        float(out[0])  # a host read, which a capture refuses
+        return out
+
+    monkeypatch.setattr(FlowMatching, "loss", reads_the_host)
+    with caplog.at_level(logging.INFO, logger="flm"):
+        train_run(tmp_path / "fallback", [*common, "trainer.cuda_graph=auto"])
+    assert caplog.text.count("could not be captured as a CUDA graph") == 1
+    assert not any(read_graphed(tmp_path / "fallback"))
+    train_run(tmp_path / "eager", [*common, "trainer.cuda_graph=false"])
+    fallback, eager = (torch.tensor(read_losses(tmp_path / name)) for name in ("fallback", "eager"))
+    assert torch.allclose(fallback, eager, rtol=5e-3, atol=1e-6), (fallback, eager)
+    with pytest.raises(CaptureFailed):
+        train_run(tmp_path / "true", [*common, "trainer.cuda_graph=true"])
 
 
 class _CannotCapture:
