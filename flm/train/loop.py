@@ -448,11 +448,11 @@ def train(
         (total_loss(losses) / trainer.grad_accum).backward()
         return losses, extra, updates
 
-    # the log window's micro-batches by how they ran, for its metrics' cuda_graph
-    ran = {"graph": 0, "eager": 0}
+    # the log window's micro-batches that ran eagerly, for its metrics' cuda_graph
+    eager_runs = {"window": 0}
 
     def eager_step(x, y, step):
-        ran["eager"] += 1
+        eager_runs["window"] += 1
         return loss_and_backward(x, y, step, phase_at(step))
 
     # a graph replays what it captured: the step (sCM's tangent warm-up) goes in as a tensor, and an
@@ -466,7 +466,7 @@ def train(
         if phase not in graphs:
             graphs[phase] = GraphedStep(lambda x, step, y=None: loss_and_backward(x, y, step, phase), params)
         try:
-            out = graphs[phase](x, to_device(torch.tensor(step), device), *(() if y is None else (y,)))
+            return graphs[phase](x, to_device(torch.tensor(step), device), *(() if y is None else (y,)))
         except CaptureFailed as err:
             if not auto_graph:
                 raise
@@ -479,8 +479,6 @@ def train(
             del graphs[phase]
             eager_phases.add(phase)
             return eager_step(x, y, step)
-        ran["graph"] += 1
-        return out
 
     step_fn = graphed_step if trainer.cuda_graph else eager_step
 
@@ -512,8 +510,8 @@ def train(
             if logs:
                 metrics = meter.metrics(state, trainer, device, objective_metrics, grad_norms)
                 # whether every step of the window replayed a CUDA graph: step_ms means graphed or eager steps
-                metrics["cuda_graph"] = ran["eager"] == 0
-                ran.update(graph=0, eager=0)
+                metrics["cuda_graph"] = bool(trainer.cuda_graph) and eager_runs["window"] == 0
+                eager_runs["window"] = 0
                 dist.info0(meter.progress(state.step, trainer.max_steps, metrics))
                 run_log.log(state.step, metrics)
             grids = state.step == trainer.max_steps or (trainer.sample_every and state.step % trainer.sample_every == 0)
