@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Data-parallel scaling of MeanFlow training on one machine, 1 GPU against NPROC GPUs at the same global batch:
-#   (a) images/s, DiT-B/2 at 256 tokens: MNIST resized to 32 x 32 (flm.ablate.ResizedData, as
-#       `python -m flm.ablate ablate.tokens=256` does; flm has no synthetic dataset), DDP, WARMUP steps left out;
+#   (a) images/s, DiT-B/2 at 256 tokens: MNIST resized to 32 x 32 (data.resolution, as `python -m flm.ablate
+#       ablate.tokens=256` does; flm has no synthetic dataset), DDP, WARMUP steps left out;
 #   (b) loss curves on MNIST (28 x 28), DDP against 1 GPU with NPROC accumulation steps (the same micro-batches
 #       and noise, so the curves differ by rounding only);
 #   (c) FSDP2 on NPROC GPUs: FSDP_STEPS steps and a checkpoint, RESUME_STEPS more from it on NPROC GPUs, and the
@@ -23,6 +23,8 @@ MODEL=${MODEL:-DiT-B/2}
 BATCH=${BATCH:-256}                    # global batch of every run
 TOKENS=${TOKENS:-256}                  # (a): images resized to side = patch x sqrt(TOKENS)
 ATTENTION=${ATTENTION:-auto}           # auto: triton_jvp for the JVP pass on the GPU
+CUDA_GRAPH=${CUDA_GRAPH:-false}        # trainer.cuda_graph: false, every run eager, so that (c)'s FSDP2 (never graphed)
+                                       # compares with (a) and (b); auto graphs the 1-GPU and DDP runs
 WARMUP=${WARMUP:-20}                   # (a), (c): steps left out of images/s (Triton autotuning, allocator)
 SPEED_STEPS=${SPEED_STEPS:-100}        # (a): steps timed after the warm-up (a multiple of WARMUP)
 CURVE_STEPS=${CURVE_STEPS:-200}        # (b)
@@ -42,8 +44,8 @@ SIDE=$("$PYTHON" -c "import math; print(int('$MODEL'.rsplit('/', 1)[1]) * math.i
 
 COMMON=(model="$MODEL" attention="$ATTENTION" objective=meanflow data=mnist data.root="$DATA_ROOT" data.download=false
         trainer.device="$DEVICE" trainer.batch_size="$BATCH" trainer.sample_n=16 trainer.sample_every=0
-        trainer.ckpt_every=0)
-RESIZED=(data._target_=flm.ablate.ResizedData +data.side="$SIDE")
+        trainer.ckpt_every=0 trainer.cuda_graph="$CUDA_GRAPH")
+RESIZED=(+data.resolution="$SIDE")
 
 # train NAME RUN NPROCS OVERRIDES...: train.py into OUT/RUN (console to OUT/NAME.log), in one process or
 # under torchrun with NPROCS processes

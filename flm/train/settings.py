@@ -23,7 +23,7 @@ class TrainerConfig:
     precision: str = "auto"  # auto (bf16 autocast on CUDA, fp32 on CPU) | bf16 | fp32
     compile: bool = False  # torch.compile: the model, or a JVP objective's loss (jvp_mode=func, math/triton_jvp, one process)
     compile_mode: str = "default"  # torch.compile's mode: default | reduce-overhead (CUDA graphs over the compiled code) | ...
-    cuda_graph: bool | str = False  # replay loss + backward as one CUDA graph (one GPU or DDP, not FSDP2; flm.train.graphs);
+    cuda_graph: bool | str = "auto"  # replay loss + backward as one CUDA graph (one GPU or DDP, not FSDP2; flm.train.graphs);
     # auto: where it can run (resolve_cuda_graph), eager elsewhere
     bulk_casts: bool = True  # bf16 casts of the trainable parameters in one op per loss (flm.nn.cast_cache); not under DDP
     parallel: str = "ddp"  # under torchrun: ddp | fsdp (FSDP2: parameters, gradients, optimizer state and EMA sharded)
