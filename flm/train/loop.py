@@ -448,11 +448,11 @@ def train(
         (total_loss(losses) / trainer.grad_accum).backward()
         return losses, extra, updates
 
-    # the log window's micro-batches that ran eagerly, for its metrics' cuda_graph
-    eager_runs = {"window": 0}
+    eager_in_window = 0  # the log window's micro-batches that ran eagerly, for its metrics' cuda_graph
 
     def eager_step(x, y, step):
-        eager_runs["window"] += 1
+        nonlocal eager_in_window
+        eager_in_window += 1
         return loss_and_backward(x, y, step, phase_at(step))
 
     # a graph replays what it captured: the step (sCM's tangent warm-up) goes in as a tensor, and an
@@ -510,8 +510,8 @@ def train(
             if logs:
                 metrics = meter.metrics(state, trainer, device, objective_metrics, grad_norms)
                 # whether every step of the window replayed a CUDA graph: step_ms means graphed or eager steps
-                metrics["cuda_graph"] = bool(trainer.cuda_graph) and eager_runs["window"] == 0
-                eager_runs["window"] = 0
+                metrics["cuda_graph"] = bool(trainer.cuda_graph) and eager_in_window == 0
+                eager_in_window = 0
                 dist.info0(meter.progress(state.step, trainer.max_steps, metrics))
                 run_log.log(state.step, metrics)
             grids = state.step == trainer.max_steps or (trainer.sample_every and state.step % trainer.sample_every == 0)

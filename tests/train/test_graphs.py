@@ -14,6 +14,7 @@ import torch
 import torch.distributed as torch_dist
 
 from flm import dist
+from flm.log import read_metrics
 from flm.objectives import build_objective
 from flm.objectives.protocol import Network
 from flm.train import loop, parallel
@@ -353,9 +354,7 @@ class _Replays:
 
 
 def read_graphed(run_dir):
-    import json
-
-    return [json.loads(line)["cuda_graph"] for line in open(run_dir / "metrics.jsonl")]
+    return [record["cuda_graph"] for record in read_metrics(run_dir)]
 
 
 def test_the_metrics_say_whether_the_logged_steps_replayed_a_cuda_graph(tmp_path, train_run, monkeypatch):
