@@ -8,3 +8,6 @@ for d in ${DIMS:-64 128 72}; do
     --loads tma-host tma --warp-specialize off on > $OUT/ws_d$d.log 2>&1
   echo "D=$d rc=$? $(left)"; grep -A8 "best first" $OUT/ws_d$d.log
 done
+timeout $(( $(rest) - 5 )) python -m pytest -q -m gpu tests/attention/test_tma_gpu.py -k warp_specialized --tb=short \
+  > $OUT/ws_tests.log 2>&1
+echo "ws tests rc=$? $(left)"; tail -n 15 $OUT/ws_tests.log
