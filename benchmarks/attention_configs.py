@@ -7,8 +7,7 @@ Prints every config's GPU time (CUDA-graph replay) and TFLOP/s (the JVP forward 
 forwards) as it is measured, then, per (head dim, tokens), the best eight. bf16, batch x heads = 64 (heads = 16).
 `--loads pointers tma tma-host` times every config with each way of reading the tiles: pointer loads, or tensor
 descriptors (Hopper's TMA, `FLM_ATTENTION_TMA`) that each program builds (`tma`) or the host builds per launch
-(`tma-host`); the summary ranks them together. `--warp-specialize off on` times each config also with Triton's warp
-specialization of the key loop (a loading warp and computing warps; descriptor loads only, so pointer runs skip it).
+(`tma-host`); the summary ranks them together.
 """
 
 import argparse
@@ -34,13 +33,6 @@ def main():
         "--candidates", action="store_true", help="the kernel's own candidates per head dim and load kind, not the grid above"
     )
     ap.add_argument("--loads", nargs="+", choices=list(LOADS), default=["pointers"], help="how the kernel reads tiles")
-    ap.add_argument(
-        "--warp-specialize",
-        nargs="+",
-        choices=["off", "on"],
-        default=["off"],
-        help="Triton's warp specialization of the key loop (tma and tma-host loads)",
-    )
     args = ap.parse_args()
     a, b = (torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     peak = 2 * 8192**3 / triton.testing.do_bench_cudagraph(lambda: a @ b, rep=50, return_mode="median") / 1e9
@@ -56,17 +48,13 @@ def main():
         block_d, block_d_rem = split_head_dim(d)
         grid = [(bm, bn, w, s) for (bm, bn), w, s in itertools.product(blocks, args.warps, args.stages)]
         runs = [
-            (tuple(c[:4]), loads + (" ws" if ws == "on" else ""))
+            (tuple(c[:4]), loads)
             for loads in args.loads
-            for ws in args.warp_specialize
-            if ws == "off" or loads != "pointers"
             for c in (launch_candidates(block_d + block_d_rem, False, _TMA_MODES[LOADS[loads]]) if args.candidates else grid)
         ]
         for cfg, loads in runs:
-            tma, ws = LOADS[loads.split()[0]], loads.endswith(" ws")
-            fn = lambda: attention_fwd(  # noqa: E731
-                q, k, v, tq, tk, tv, causal=False, scale=d**-0.5, config=cfg, tma=tma, warp_specialize=ws
-            )
+            tma = LOADS[loads]
+            fn = lambda: attention_fwd(q, k, v, tq, tk, tv, causal=False, scale=d**-0.5, config=cfg, tma=tma)  # noqa: E731
             try:
                 fn()
                 ms = triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median")

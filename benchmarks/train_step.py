@@ -113,6 +113,12 @@ def parse_args(argv=None):
         help="print torch.profiler's top ops for each row and, on a GPU, its kernels' time per step by kind (matmul, attention, copies, ...)",
     )
     p.add_argument(
+        "--host-profile",
+        action="store_true",
+        help="for eager rows, a cProfile of 5 steps: the top functions by cumulative and by own time, to see where the "
+        "host's time goes (the profiler itself slows Python ~2x; read the shares, not the times)",
+    )
+    p.add_argument(
         "--count-ops",
         action="store_true",
         help="an 'aten ops' column: the aten ops one eager step dispatches (casts in brackets), what its host time scales "
@@ -265,6 +271,8 @@ class Row:
             self.peak = float("nan")
         if args.profile:
             _profile(self.step, device)
+        if args.host_profile and config[-1] == "eager":
+            _host_profile(self.step, device, " ".join(map(str, config)))
         if args.count_ops and config[-1] == "eager":
             self.ops = count_ops(self.step)
 
@@ -348,6 +356,24 @@ def _profile(step, device, rows: int = 12, steps: int = 2):
         kernels = [(e.key, e.self_device_time_total, e.count) for e in averages if e.self_device_time_total > 0]
         kernels = [k for k in kernels if not k[0].startswith(("## Call", "Torch-Compiled", "autograd::", "Compiled"))]
         print(kernel_summary(kernels, steps), flush=True)
+
+
+def _host_profile(step, device, label: str, steps: int = 5, rows: int = 30) -> None:
+    import cProfile
+    import io
+    import pstats
+
+    _sync(device)
+    prof = cProfile.Profile()
+    prof.enable()
+    for i in range(steps):
+        step(i)
+    prof.disable()
+    _sync(device)
+    for order in ("cumulative", "tottime"):
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats(order).print_stats(rows)
+        print(f"## {label}: {steps} eager steps by {order} time\n{out.getvalue()}", flush=True)
 
 
 def rows_to_run(args):

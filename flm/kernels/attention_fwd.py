@@ -159,7 +159,6 @@ def _fwd_inner(
     CAUSAL: tl.constexpr,
     PRECISION: tl.constexpr,
     TMA: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr,
 ):
     """Accumulate key blocks [lo, hi). MASK: the range holds the ragged end or the causal diagonal.
     The *_r names are the head dim's remainder chunk (used only when BLOCK_D_REM > 0). With TMA the *_ptrs
@@ -177,8 +176,7 @@ def _fwd_inner(
             if BLOCK_D_REM > 0:
                 tkr_ptrs += lo * stride_tkn
                 tvr_ptrs += lo * stride_tvn
-    # WARP_SPECIALIZE: Triton splits the loop into warps that load (through descriptors) and warps that compute
-    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+    for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + offs_n
         # K^T block (BLOCK_D, BLOCK_N) and V block (BLOCK_N, BLOCK_D); keys past the end load as 0
@@ -334,7 +332,6 @@ def _fwd_kernel(
     PRECISION: tl.constexpr,
     TMA: tl.constexpr,  # q, k, v and the tangents read through tensor descriptors (Hopper's TMA; no bias or mask): 0 no,
     # 1 each program builds its head's, 2 the host built them (Q ... TV and the remainder's QR ... TVR are descriptors)
-    WARP_SPECIALIZE: tl.constexpr,  # the unmasked key loop warp-specialized (an experiment: benchmarks/attention_configs.py)
 ):
     start_m = tl.program_id(0)
     off_bh = tl.program_id(1)
@@ -528,7 +525,6 @@ def _fwd_kernel(
         CAUSAL,
         PRECISION,
         TMA,
-        WARP_SPECIALIZE,
     )
     acc, acc_r, acc_t, acc_t_r, l_i, m_i, r_i = _fwd_inner(
         acc,
@@ -580,7 +576,6 @@ def _fwd_kernel(
         CAUSAL,
         PRECISION,
         TMA,
-        False,
     )
 
     # epilogue; a row with no key at all (l = 0) gets O = tO = 0 and lse = -inf instead of NaN
@@ -909,7 +904,6 @@ def attention_fwd(
     key_padding_mask=None,
     tma: bool | str | None = None,
     out_order: tuple[int, ...] | None = None,
-    warp_specialize: bool = False,
 ):
     """(o, to, lse) for q (B, H, Lq, D), k/v (B, H, Lkv, D); to is None without tangents.
 
@@ -924,8 +918,6 @@ def attention_fwd(
     out_order: o and to dense with their dims in this order, outermost first (flm.attention.layout.q_order: SDPA's
     layout of O, (0, 2, 1, 3) for the DiT's views of one projection); None or an order without the head dim innermost:
     contiguous.
-    warp_specialize: Triton's warp specialization of the key loop (descriptor loads only; an experiment that
-    benchmarks/attention_configs.py --warp-specialize times; the tuner does not try it).
     """
     b, h, lq, d = q.shape
     lkv = k.shape[2]
@@ -983,7 +975,6 @@ def attention_fwd(
         HAS_MASK=has_mask,
         CAUSAL=causal,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        WARP_SPECIALIZE=warp_specialize,
     )
     interpreter = interpreted()
     if interpreter:
