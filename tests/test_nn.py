@@ -222,6 +222,29 @@ def test_signed_binds_like_inspect():
     assert torch.equal(F.apply(x, 2.0), x * 2) and torch.equal(F.apply(x, 2.0, 1.0), x * 2 + 1)
 
 
+def test_eager_calls_take_the_old_style_twin_and_torch_func_the_function():
+    """`apply` runs a signed Function's old-style twin in eager code (no argument binding) and the Function itself under
+    torch.func.jvp: the same output, tangent and gradients either way, the twin's node named as the Function's."""
+    r = _inputs()
+    x, w, b = r(B, N, D), r(O, D), r(O)
+    tx = torch.randn(B, N, D, dtype=torch.float64)
+    with forward_ad.dual_level():
+        y = fnn.linear(forward_ad.make_dual(x, tx), w, b)
+        node = y.grad_fn
+        y, ty = forward_ad.unpack_dual(y)
+    assert node._forward_cls is fnn._Linear.eager and type(node).__name__ == "_LinearBackward"
+    gx, gw, gb = torch.autograd.grad(y.square().sum(), (x, w, b))
+    with forward_ad.dual_level():  # the Function itself, as torch.func's transforms and torch.compile take it
+        y2 = fnn._Linear.apply(forward_ad.make_dual(x, tx), w, b)
+        node = y2.grad_fn
+        y2, ty2 = forward_ad.unpack_dual(y2)
+    assert node._forward_cls is fnn._Linear
+    assert torch.equal(y, y2) and torch.equal(ty, ty2)
+    assert all(torch.equal(a, c) for a, c in zip((gx, gw, gb), torch.autograd.grad(y2.square().sum(), (x, w, b))))
+    _, ty3 = torch.func.jvp(lambda x: fnn.linear(x, w.detach(), b.detach()), (x.detach(),), (tx,))
+    assert torch.equal(ty3, ty)
+
+
 def test_cast_cache_casts_each_parameter_once_per_version():
     """Inside cast_cache a parameter's autocast cast is made once and reused, as torch.autocast's own cache does:
     by a no-grad forward and then a grad one (the gradient still reaches the parameter), until the parameter

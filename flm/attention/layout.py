@@ -12,7 +12,7 @@ import sys
 import torch
 from torch import Tensor
 
-from flm.nn import signed
+from flm.nn import apply, signed
 
 
 def stride_order(q: Tensor) -> list[int]:
@@ -100,4 +100,4 @@ def grad_in_q_order(o: Tensor, q: Tensor) -> Tensor:
     flows."""
     if not o.requires_grad:  # also False for an output made under no_grad
         return o
-    return GradInQOrder.apply(o, q_order(q))
+    return apply(GradInQOrder, o, q_order(q))

@@ -35,7 +35,7 @@ from flm.attention.layout import in_q_order, q_order
 from flm.kernels.attention_bwd import attention_bwd as triton_bwd
 from flm.kernels.attention_fwd import attention_fwd, check_head_dim, interpreted
 from flm.kernels.launch import traced, tracing
-from flm.nn import signed
+from flm.nn import apply, signed
 
 # ---------------------------------------------------------------------------------------------
 # Backward implementations: (do, q, k, v, o, lse, causal, scale) -> (dq, dk, dv)
@@ -500,6 +500,7 @@ class _Attention(torch.autograd.Function):
         return dq, dk, dv, None, None, dbias, None
 
 
+@signed
 class _AttentionWithJVP(_Attention):
     """_Attention plus a forward-mode rule (the fused kernel) for torch.func.jvp and dual tensors.
 
@@ -588,7 +589,7 @@ def attention(q, k, v, *, causal: bool, scale: float, bias=None, key_padding_mas
             o, lse = _fwd_impl(q, k, v, causal, scale)
         return native.node(q, k, v, o, lse, causal, scale)
     fn = _Attention if torch.compiler.is_compiling() else _AttentionWithJVP
-    return fn.apply(q, k, v, causal, scale, _expand_to_logits(bias, q, k), key_padding_mask)[0]
+    return apply(fn, q, k, v, causal, scale, _expand_to_logits(bias, q, k), key_padding_mask)[0]
 
 
 def jvp_attention(
@@ -600,7 +601,8 @@ def jvp_attention(
         return native.node(q, k, v, o, lse, causal, scale), to
     # tangents never need a gradient: detaching keeps any graph they carry out of this op
     tbias = None if bias_tangent is None else _expand_to_logits(bias_tangent.detach(), q, k)
-    o, to, _ = _JVPAttention.apply(
+    o, to, _ = apply(
+        _JVPAttention,
         q,
         k,
         v,
