@@ -9,26 +9,16 @@ launcher internals (the GPU image's Triton); another Triton may name them otherw
     PYTHONPATH=. python benchmarks/descriptor_host.py
 """
 
-import time
+import functools
 
 import torch
 import triton
 from triton.backends.nvidia import driver as nv
 
+from benchmarks.attention import host_us as _host_us
 from flm.kernels import attention_fwd as kernels
 
-
-def host_us(fn, calls: int = 200, rounds: int = 7) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        times.append((time.perf_counter() - t0) / calls * 1e6)
-        torch.cuda.synchronize()
-    return sorted(times)[rounds // 2]
+host_us = functools.partial(_host_us, calls=200, rounds=7)
 
 
 def main():
